@@ -1,0 +1,32 @@
+# Two entry points, each of which sets up the local virtual environment first:
+#   make demo   trains a small model in mixed precision and prints what it did
+#   make test   runs the test suite
+# The environment in .venv is reused on later runs; it is rebuilt when pyproject.toml or
+# constraints.txt change.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.mpfunc-installed
+PYTEST_ARGS ?= -n 2
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[torch,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart_jax.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV)

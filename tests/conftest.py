@@ -1,0 +1,30 @@
+"""Strict test configuration shared by every test file.
+
+* 8 host CPU devices are forced *before* JAX is imported, for the sharding tests.
+* JAX uses strict dtype promotion, so an accidental f16 + f32 upcast is an error.
+* Warnings are errors (see ``filterwarnings`` in pyproject.toml).
+"""
+
+import os
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
+settings.register_profile("dev", max_examples=200, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _strict_promotion():
+    # Re-assert per test: a test that flips it must not leak into the next one.
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    yield

@@ -1,0 +1,202 @@
+"""Tests for mpfunc._src.policy (Policy, get_policy, cast_floating)."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mpfunc
+from mpfunc._src.policy import DTYPE_ALIASES, POLICY_PRESETS
+
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+
+
+def mixed_tree():
+    return {
+        "w": jnp.ones((2, 3), jnp.float32),
+        "w16": jnp.ones((2,), jnp.float16),
+        "np": np.ones((3,), np.float32),
+        "ints": jnp.arange(3, dtype=jnp.int32),
+        "np_ints": np.arange(2, dtype=np.int64),
+        "mask": jnp.array([True, False]),
+        "key": jax.random.key(0),
+        "raw_key": jax.random.PRNGKey(1),
+        "none": None,
+        "scalar": 0.5,
+        "int_scalar": 3,
+        "nested": [jnp.zeros(2, jnp.bfloat16), (jnp.zeros((), jnp.float32),)],
+    }
+
+
+def check_cast(out, src, dtype):
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(src)
+    assert out["w"].dtype == dtype
+    assert out["w16"].dtype == dtype
+    assert out["np"].dtype == dtype
+    assert out["nested"][0].dtype == dtype
+    assert out["nested"][1][0].dtype == dtype
+    assert out["ints"].dtype == jnp.int32
+    assert out["mask"].dtype == jnp.bool_
+    assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+    assert out["raw_key"].dtype == jnp.uint32
+    assert out["none"] is None
+    assert out["scalar"] == 0.5 and isinstance(out["scalar"], float)
+    assert out["int_scalar"] == 3
+
+
+class TestPolicy:
+    def test_fields_are_normalised_dtypes(self):
+        p = mpfunc.Policy("float32", jnp.bfloat16, "half")
+        assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (F32, BF16, F16)
+
+    def test_immutable_and_hashable(self):
+        p = mpfunc.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            p.param_dtype = jnp.float16
+        assert hash(p) == hash(mpfunc.Policy("f32", "bf16", "f32"))
+        assert p == mpfunc.get_policy("p=f32,c=bf16,o=f32")
+        assert len({p, mpfunc.get_policy("mixed_bf16")}) == 1
+
+    @pytest.mark.parametrize("method, dtype", [
+        ("cast_to_param", F32), ("cast_to_compute", BF16), ("cast_to_output", F16)])
+    def test_cast_mixed_leaves(self, method, dtype):
+        p = mpfunc.Policy(jnp.float32, jnp.bfloat16, jnp.float16)
+        tree = mixed_tree()
+        check_cast(getattr(p, method)(tree), tree, dtype)
+
+    def test_cast_under_jit(self):
+        p = mpfunc.get_policy("p=f32,c=f16,o=bf16")
+
+        @jax.jit
+        def f(tree):
+            out = p.cast_to_compute(tree)
+            return out, p.cast_to_output(out)
+
+        tree = {k: v for k, v in mixed_tree().items() if k not in ("np",)}
+        compute, output = f(tree)
+        assert compute["w"].dtype == F16 and output["w"].dtype == BF16
+        assert compute["ints"].dtype == jnp.int32 and output["mask"].dtype == jnp.bool_
+        assert jax.dtypes.issubdtype(output["key"].dtype, jax.dtypes.prng_key)
+        assert output["none"] is None
+
+    def test_cast_keeps_values(self):
+        x = jnp.array([1.5, -2.25, 3.0], jnp.float32)
+        p = mpfunc.get_policy("p=f32,c=bf16")
+        chex.assert_trees_all_equal(p.cast_to_param(p.cast_to_compute(x)), x)
+
+    def test_cast_same_dtype_returns_same_object(self):
+        x = jnp.ones(3)
+        assert mpfunc.get_policy("f32").cast_to_compute(x) is x
+
+    def test_static_argument_no_retrace(self):
+        traces = []
+
+        def apply(policy, x):
+            traces.append(policy)
+            return policy.cast_to_compute(x) * 2
+
+        apply = jax.jit(apply, static_argnums=0)
+        x = jnp.ones(4)
+        for _ in range(3):
+            out = apply(mpfunc.get_policy("mixed_bf16"), x)
+        apply(mpfunc.Policy("f32", "bf16", "f32"), x)  # an equal policy hits the cache
+        assert out.dtype == BF16
+        assert len(traces) == 1
+        apply(mpfunc.get_policy("mixed_f16"), x)
+        assert len(traces) == 2
+
+    def test_with_output_dtype(self):
+        p = mpfunc.get_policy("mixed_bf16")
+        q = p.with_output_dtype("bf16")
+        assert q.output_dtype == BF16 and q.param_dtype == F32 and q.compute_dtype == BF16
+        assert p.output_dtype == F32  # the original is unchanged
+
+    @pytest.mark.parametrize("role", ["param_dtype", "compute_dtype", "output_dtype"])
+    def test_non_floating_dtype_rejected(self, role):
+        kwargs = dict(param_dtype="f32", compute_dtype="f32", output_dtype="f32")
+        kwargs[role] = jnp.int8
+        with pytest.raises(ValueError, match=f"`{role}` must be a floating dtype, got int8"):
+            mpfunc.Policy(**kwargs)
+
+    def test_non_dtype_object_rejected(self):
+        with pytest.raises(TypeError, match="`param_dtype` must be a floating dtype"):
+            mpfunc.Policy(object(), "f32", "f32")
+
+
+class TestGetPolicy:
+    def test_long_and_short_keys(self):
+        a = mpfunc.get_policy("params=float32,compute=bfloat16,output=float16")
+        b = mpfunc.get_policy("p=f32,c=bf16,o=f16")
+        assert a == b == mpfunc.Policy(F32, BF16, F16)
+
+    def test_mixed_key_styles_and_whitespace(self):
+        assert mpfunc.get_policy(" p = f32 , compute=half ") == mpfunc.Policy(F32, F16, F16)
+
+    @pytest.mark.parametrize("alias, dtype", sorted(DTYPE_ALIASES.items()))
+    def test_every_alias(self, alias, dtype):
+        assert mpfunc.get_policy(alias) == mpfunc.Policy(dtype, dtype, dtype)
+        assert mpfunc.get_policy(f"p={alias}").param_dtype == np.dtype(dtype)
+
+    def test_half_is_float16_not_bfloat16(self):
+        assert mpfunc.get_policy("half").compute_dtype == F16
+
+    def test_defaults_chain(self):
+        p = mpfunc.get_policy("p=f32")
+        assert p.compute_dtype == F32 and p.output_dtype == F32
+        p = mpfunc.get_policy("p=f32,c=bf16")
+        assert p.output_dtype == BF16
+        p = mpfunc.get_policy("p=f32,o=f16")
+        assert p.compute_dtype == F32 and p.output_dtype == F16
+
+    def test_presets(self):
+        assert mpfunc.get_policy("mixed_bf16") == mpfunc.Policy(F32, BF16, F32)
+        assert mpfunc.get_policy("mixed_f16") == mpfunc.Policy(F32, F16, F32)
+        for name in POLICY_PRESETS:
+            mpfunc.get_policy(name)
+
+    def test_policy_passes_through(self):
+        p = mpfunc.Policy(F32, F16, F32)
+        assert mpfunc.get_policy(p) is p
+
+    @given(st.tuples(*[st.sampled_from(sorted(DTYPE_ALIASES) + ["float64"])] * 3))
+    def test_str_round_trips(self, names):
+        p = mpfunc.Policy(*names)
+        assert mpfunc.get_policy(str(p)) == p
+        assert mpfunc.get_policy(str(p)).__str__() == str(p)
+
+    @pytest.mark.parametrize("spec, match", [
+        ("", "`spec` is empty"),
+        ("   ", "`spec` is empty"),
+        ("p=f32,x=bf16", r"unknown key 'x'; valid keys are \['c', 'compute'"),
+        ("p=f32,params=bf16", "key 'params' sets 'params' twice"),
+        ("p=f32,p=f32", "key 'p' sets 'params' twice"),
+        ("p=f33", r"`params`: unknown dtype 'f33'. Valid names: \["),
+        ("float33", "`spec`: unknown dtype 'float33'"),
+        ("p=int8", "`params` must be a floating dtype, got int8"),
+        ("p=f32,c=int32", "`compute` must be a floating dtype, got int32"),
+        ("p=f32,o=bool", "`output` must be a floating dtype, got bool"),
+        ("int8", "`spec` must be a floating dtype, got int8"),
+        ("p=f32,c", "malformed part 'c'"),
+        ("p=f32,,c=bf16", "malformed part ''"),
+        ("p=", "malformed part 'p='"),
+        ("=f32", "malformed part '=f32'"),
+        ("c=bf16", "does not set params"),
+    ])
+    def test_bad_specs(self, spec, match):
+        with pytest.raises(ValueError, match=match):
+            mpfunc.get_policy(spec)
+
+    @pytest.mark.parametrize("spec", [None, 3, jnp.float32, ["p=f32"]])
+    def test_non_string_is_type_error(self, spec):
+        with pytest.raises(TypeError, match="`spec` must be a policy string or a Policy"):
+            mpfunc.get_policy(spec)
+
+
+def test_cast_floating_bad_dtype():
+    with pytest.raises(ValueError, match="`dtype` must be a floating dtype, got int32"):
+        mpfunc.cast_floating({"a": jnp.ones(2)}, jnp.int32)
