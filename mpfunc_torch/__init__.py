@@ -1,5 +1,26 @@
-"""mpfunc_torch: the PyTorch side of mpfunc (AMP modes, loss scaling, distributed checks)."""
+"""mpfunc_torch: the PyTorch side of mpfunc.
+
+`convert_to_amp` offers the torch, apex-like (O0-O3), naive and bf16 modes, with the
+same loss-scale rule and presets as the JAX package (`LossScaler`), exact skips, and an
+inf check reduced over the process groups you name.
+"""
+
+from mpfunc_torch._src.amp import (
+    AMP_TYPE,
+    AmpCriterion,
+    AmpModel,
+    AmpOptimizer,
+    convert_to_amp,
+)
+from mpfunc_torch._src.scaler import LossScaler
 
 __version__ = "0.1.0"
 
-__all__: list[str] = []
+__all__ = [
+    "AMP_TYPE",
+    "AmpCriterion",
+    "AmpModel",
+    "AmpOptimizer",
+    "LossScaler",
+    "convert_to_amp",
+]

@@ -1,0 +1,45 @@
+"""Explicit cross-rank reduction of the inf check (no hidden global process group)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["normalize_groups", "all_reduce_found_inf_"]
+
+
+def normalize_groups(process_group: Any) -> tuple[Any, ...]:
+    """``None`` -> (), one group -> (group,), a sequence of groups -> tuple of groups."""
+    if process_group is None:
+        return ()
+    if isinstance(process_group, Sequence) and not isinstance(process_group, str):
+        groups = tuple(process_group)
+    else:
+        groups = (process_group,)
+    if groups and not torch.distributed.is_available():
+        raise RuntimeError("`process_group` was given but torch.distributed is not available.")
+    if groups and not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "`process_group` was given but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group first."
+        )
+    for g in groups:
+        if not isinstance(g, torch.distributed.ProcessGroup):
+            raise TypeError(
+                "`process_group` must be a torch.distributed.ProcessGroup or a sequence of "
+                f"them, got {type(g).__name__}."
+            )
+    return groups
+
+
+def all_reduce_found_inf_(found_inf: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
+    """MAX-reduces ``found_inf`` in place over each group, so every rank agrees.
+
+    The reduction stays on the device (no host sync); with NCCL it is asynchronous to the
+    host like any collective.
+    """
+    for group in groups:
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=group)
+    return found_inf

@@ -1,0 +1,163 @@
+"""Tests for mpfunc_torch._src.scaler: the rule on torch tensors, and cross-framework parity."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from anchors import apex_loss_scaler, megatron_scaler, torch_gradscaler
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mpfunc
+from _mpfunc_common.scale_config import resolve_scale_config
+from mpfunc_torch import LossScaler
+
+MAX_STEPS = 128
+seqs = st.lists(st.booleans(), min_size=1, max_size=MAX_STEPS)
+
+
+def torch_trajectory(scaler, seq):
+    out = []
+    for finite in seq:
+        scaler.update(torch.tensor(0.0 if finite else 1.0))
+        out.append(scaler.scale.item())
+    return np.asarray(out, np.float32)
+
+
+def jax_states(opt, seq):
+    params = {"a": jnp.ones((2,))}
+    seq_arr = jnp.asarray(list(seq) + [True] * (MAX_STEPS - len(seq)))
+
+    @jax.jit
+    def run(seq_arr):
+        def body(state, finite):
+            g = {"a": jnp.where(finite, jnp.ones((2,)), jnp.full((2,), jnp.inf))}
+            _, state = opt.update(g, state, params)
+            return state, (state.loss_scale, state.growth_tracker, state.hysteresis_left,
+                           state.skipped_steps)
+
+        return jax.lax.scan(body, opt.init(params), seq_arr)[1]
+
+    return [np.asarray(x)[: len(seq)] for x in run(seq_arr)]
+
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+configs = st.one_of(
+    st.builds(lambda i: ("torch", dict(growth_interval=i)), st.integers(1, 5)),
+    st.builds(lambda i, m: ("apex", dict(growth_interval=i, max_scale=m)), st.integers(1, 5),
+              st.sampled_from([2.0**24, 2.0**17])),
+    st.builds(lambda i, h: ("naive", dict(growth_interval=i, hysteresis=h)),
+              st.integers(1, 5), st.integers(1, 3)),
+    st.builds(lambda g, b: ("torch", dict(growth_factor=g, backoff_factor=b, growth_interval=2,
+                                          init_scale=3.0)),
+              st.sampled_from([1.5, 3.0, 1.1]), st.sampled_from([0.3, 0.75])),
+)
+
+
+@given(configs, seqs)
+def test_torch_and_jax_trajectories_are_bit_identical(cfg, seq):
+    preset, kw = cfg
+    scaler = LossScaler("dynamic", resolve_scale_config(preset, **kw))
+    states_t = []
+    for finite in seq:
+        scaler.update(torch.tensor(0.0 if finite else 1.0))
+        sd = scaler.state_dict()
+        states_t.append((sd["loss_scale"].item(), sd["growth_tracker"].item(),
+                         sd["hysteresis_left"].item(), sd["skipped_steps"].item()))
+    scale_j, tracker_j, hyst_j, skipped_j = jax_states(mpfunc.dynamic_scale(preset=preset, **kw), seq)
+    np.testing.assert_array_equal(bits([s[0] for s in states_t]), bits(scale_j))
+    np.testing.assert_array_equal([s[1] for s in states_t], tracker_j)
+    np.testing.assert_array_equal([s[2] for s in states_t], hyst_j)
+    np.testing.assert_array_equal([s[3] for s in states_t], skipped_j)
+
+
+@given(seqs, st.integers(1, 4))
+def test_matches_real_torch_gradscaler(seq, interval):
+    # The anchor itself: torch.amp.GradScaler on CPU, fed the same overflows.
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.0)
+    gs = torch.amp.GradScaler("cpu", growth_interval=interval)
+    ours = LossScaler("dynamic", resolve_scale_config("torch", growth_interval=interval))
+    ref, mine = [], []
+    for finite in seq:
+        gs.scale(torch.ones(()))  # as in a real loop; creates the scale lazily
+        param.grad = torch.full((3,), 1.0 if finite else float("inf"))
+        gs.step(opt)
+        gs.update()
+        ref.append(gs.get_scale())
+        ours.update(torch.tensor(0.0 if finite else 1.0))
+        mine.append(ours.scale.item())
+    np.testing.assert_array_equal(bits(mine), bits(ref))
+    np.testing.assert_array_equal(bits(mine), bits(torch_gradscaler(seq, interval=interval)))
+
+
+@given(seqs)
+def test_presets_match_plain_references(seq):
+    for preset, ref in (("apex", apex_loss_scaler(seq)), ("naive", megatron_scaler(seq))):
+        s = LossScaler("dynamic", resolve_scale_config(preset))
+        np.testing.assert_array_equal(bits(torch_trajectory(s, seq)), bits(ref))
+
+
+def test_torch_kernel_path_only_where_it_is_the_same_rule():
+    assert LossScaler("dynamic", resolve_scale_config("torch"))._use_torch_kernel
+    assert not LossScaler("dynamic", resolve_scale_config("apex"))._use_torch_kernel
+    assert not LossScaler("dynamic", resolve_scale_config("naive"))._use_torch_kernel
+    assert not LossScaler("dynamic", resolve_scale_config("torch", growth_factor=3.0))._use_torch_kernel
+
+
+def test_static_and_none():
+    s = LossScaler("static", static_scale=128.0)
+    s.update(torch.tensor(1.0))
+    assert s.metrics(as_python=True) == {"loss_scale": 128.0, "skipped_steps": 1,
+                                         "last_finite": False}
+    n = LossScaler("none")
+    n.update(torch.tensor(0.0))
+    assert n.metrics(as_python=True) == {"loss_scale": 1.0, "skipped_steps": 0,
+                                         "last_finite": True}
+
+
+def test_metrics_are_device_tensors_without_as_python():
+    m = LossScaler().metrics()
+    assert all(isinstance(v, torch.Tensor) for v in m.values())
+    assert m["loss_scale"].dtype == torch.float32 and m["skipped_steps"].dtype == torch.int32
+
+
+def test_state_dict_round_trip_continues_exactly(tmp_path):
+    cfg = resolve_scale_config("naive", growth_interval=3, init_scale=2.0**10)
+    a = LossScaler("dynamic", cfg)
+    for f in (1.0, 0.0, 0.0):
+        a.update(torch.tensor(f))
+    path = tmp_path / "scaler.pt"
+    torch.save(a.state_dict(), path)
+    b = LossScaler("dynamic", cfg)
+    b.load_state_dict(torch.load(path, weights_only=True))
+    for f in (0.0, 1.0, 1.0, 0.0, 0.0, 0.0):
+        a.update(torch.tensor(f))
+        b.update(torch.tensor(f))
+        assert a.state_dict()["loss_scale"].item() == b.state_dict()["loss_scale"].item()
+    for k in ("growth_tracker", "hysteresis_left", "skipped_steps", "last_finite"):
+        assert torch.equal(a.state_dict()[k], b.state_dict()[k]), k
+
+
+def test_load_state_dict_mismatches():
+    a = LossScaler("dynamic", resolve_scale_config("naive"))
+    with pytest.raises(ValueError, match="config mismatch"):
+        LossScaler("dynamic", resolve_scale_config("torch")).load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="kind mismatch"):
+        LossScaler("static", static_scale=2.0).load_state_dict(LossScaler("none").state_dict())
+    with pytest.raises(ValueError, match="missing keys"):
+        a.load_state_dict({"kind": "dynamic"})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kind="bogus"), "`kind`"),
+    (dict(kind="static", static_scale=0.0), "`static_scale`"),
+    (dict(kind="none", config=resolve_scale_config("torch")), "`config` only applies"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossScaler(**kwargs)
