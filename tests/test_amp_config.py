@@ -1,0 +1,69 @@
+"""Tests for _mpfunc_common.amp_config: mode keys, defaults and apex's table."""
+
+import math
+
+import pytest
+
+from _mpfunc_common.amp_config import APEX_OPT_LEVELS, MODE_DEFAULTS, dtype_name, resolve_amp
+
+
+def test_seed_doc_defaults():
+    assert MODE_DEFAULTS["torch"] == dict(init_scale=2.0**16, growth_factor=2.0,
+                                          backoff_factor=0.5, growth_interval=2000,
+                                          enabled=True, dtype="float16")
+    assert MODE_DEFAULTS["naive"]["initial_scale"] == 2.0**32
+    assert MODE_DEFAULTS["naive"]["hysteresis"] == 2
+    assert MODE_DEFAULTS["naive"]["clip_grad"] == 0.0
+    assert MODE_DEFAULTS["apex"]["max_loss_scale"] == 2.0**24
+    assert MODE_DEFAULTS["apex"]["opt_level"] == "O1"
+
+
+def test_apex_table():
+    assert APEX_OPT_LEVELS["O0"]["loss_scale"] == 1.0
+    assert APEX_OPT_LEVELS["O2"]["keep_batchnorm_fp32"] is True
+    assert APEX_OPT_LEVELS["O3"]["master_weights"] is False
+
+
+@pytest.mark.parametrize("level, cast, autocast, master, kind", [
+    ("O0", "float32", None, False, "static"),
+    ("O1", None, "float16", False, "dynamic"),
+    ("O2", "float16", None, True, "dynamic"),
+    ("O3", "float16", None, False, "static"),
+])
+def test_apex_levels_resolve(level, cast, autocast, master, kind):
+    plan = resolve_amp("apex", {"opt_level": level})
+    assert (plan.cast_model_type, plan.autocast_dtype, plan.master_weights, plan.scale_kind) == (
+        cast, autocast, master, kind)
+    if kind == "dynamic":
+        assert plan.scale_config.max_scale == 2.0**24 and plan.scale_config.hysteresis == 1
+
+
+def test_modes_resolve():
+    torch_plan = resolve_amp("torch", {})
+    assert torch_plan.scale_config.max_scale == math.inf and torch_plan.autocast_dtype == "float16"
+    naive = resolve_amp("naive", {"clip_grad": 1.0})
+    assert naive.master_weights and naive.scale_config.hysteresis == 2 and naive.clip_grad == 1.0
+    assert resolve_amp("bf16", {}).scale_kind == "none"
+    assert not resolve_amp("torch", {"enabled": False}).enabled
+    assert "master_weights=True" in resolve_amp("naive", {}).describe()
+
+
+@pytest.mark.parametrize("mode, cfg, err, match", [
+    ("nope", {}, ValueError, "`mode` must be one of"),
+    ("torch", {"opt_level": "O1"}, ValueError, "unknown config key"),
+    ("naive", {"clip_grad": -1.0}, ValueError, "`clip_grad`"),
+    ("naive", {"verbose": 1}, TypeError, "`verbose` must be a bool"),
+    ("apex", {"num_losses": 0}, ValueError, "`num_losses`"),
+    ("apex", {"cast_model_type": "int8"}, ValueError, "`cast_model_type` must be one of"),
+    ("apex", {"loss_scale": 8.0, "min_loss_scale": 1.0}, ValueError, "only applies"),
+    ("apex", {"opt_level": "O2", "patch_torch_functions": True}, ValueError, "not a supported"),
+    ("torch", {"dtype": "float32"}, ValueError, "`dtype` must be one of"),
+])
+def test_errors(mode, cfg, err, match):
+    with pytest.raises(err, match=match):
+        resolve_amp(mode, cfg)
+
+
+def test_dtype_names():
+    assert dtype_name("half", "x") == "float16" and dtype_name("bf16", "x") == "bfloat16"
+    assert dtype_name(None, "x") is None
