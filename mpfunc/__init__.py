@@ -1,8 +1,10 @@
 """mpfunc: functional mixed-precision training for JAX.
 
-Precision policies, loss scaling as optax transformations, and AMP modes.
+Precision policies, op-level autocast, loss scaling as optax transformations, master
+weights, and the torch / apex-like / naive / bf16 AMP modes.
 """
 
+from mpfunc._src.autocast import AutocastLists, autocast
 from mpfunc._src.loss_scale import (
     LossScaleState,
     all_finite,
@@ -14,19 +16,28 @@ from mpfunc._src.loss_scale import (
     scale_metrics,
     static_scale,
 )
+from mpfunc._src.master_weights import MasterWeightsState, master_weights
+from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
 from mpfunc._src.policy import Policy, cast_floating, get_policy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmpSetup",
+    "AutocastLists",
     "LossScaleState",
+    "MasterWeightsState",
     "Policy",
     "all_finite",
+    "autocast",
     "cast_floating",
     "chain",
+    "convert_to_amp",
     "dynamic_scale",
     "get_policy",
+    "is_norm_param",
     "loss_scale",
+    "master_weights",
     "no_scale",
     "scale_loss",
     "scale_metrics",

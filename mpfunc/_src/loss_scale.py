@@ -118,8 +118,19 @@ def _cast_like(tree: Any, like: Any) -> Any:
 
 
 def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    # A select, never a multiply by a mask: 0 * inf would be nan.
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+    """``on_true`` where ``pred`` else ``on_false``, in ``on_false``'s dtypes.
+
+    A select, never a multiply by a mask (0 * inf would be nan). Keeping the old leaves'
+    dtypes keeps state dtypes fixed from init: an inner optimizer whose state was made
+    from half params would otherwise drift to float32 under float32 gradients.
+    """
+
+    def sel(a, b):
+        if hasattr(b, "dtype") and hasattr(a, "dtype") and a.dtype != b.dtype:
+            a = a.astype(b.dtype)
+        return jnp.where(pred, a, b)
+
+    return jax.tree_util.tree_map(sel, on_true, on_false)
 
 
 def _zeros_like(tree: Any) -> Any:
@@ -509,7 +520,8 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
 
 def scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Device scalars for logging: ``loss_scale``, ``skipped_steps``, ``last_finite``.
+    """Device scalars for logging: ``loss_scale``, ``skipped_steps``, ``last_finite``
+    (and ``num_zeros_in_grad`` when the mode logs it).
 
     Nothing is copied to the host; convert with ``float()``/``int()`` when you log.
 
@@ -526,8 +538,15 @@ def scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
       ['last_finite', 'loss_scale', 'skipped_steps']
     """
     s = _the_state(opt_state)
-    return {
+    out = {
         "loss_scale": s.loss_scale,
         "skipped_steps": s.skipped_steps,
         "last_finite": s.last_finite,
     }
+    # `convert_to_amp(..., log_num_zeros_in_grad=True)` adds a zero-count link.
+    for leaf in jax.tree_util.tree_leaves(
+        s.inner_state, is_leaf=lambda x: hasattr(x, "num_zeros_in_grad")
+    ):
+        if hasattr(leaf, "num_zeros_in_grad"):
+            out["num_zeros_in_grad"] = leaf.num_zeros_in_grad
+    return out

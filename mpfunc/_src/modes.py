@@ -1,0 +1,200 @@
+"""`convert_to_amp` for JAX: the torch / apex-like / naive / bf16 modes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from _mpfunc_common.amp_config import AmpPlan, resolve_amp
+from mpfunc._src.autocast import autocast
+from mpfunc._src.loss_scale import _scale_transform
+from mpfunc._src.master_weights import master_weights
+from mpfunc._src.policy import Policy
+
+__all__ = ["AmpSetup", "ZeroCountState", "convert_to_amp", "count_zeros", "is_norm_param"]
+
+_JNP = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+_NORM_RE = re.compile(r"(norm|^ln(_|\d|$)|_ln(_|\d|$)|^bn(_|\d|$)|_bn(_|\d|$))", re.IGNORECASE)
+
+
+def is_norm_param(path: tuple, leaf: Any) -> bool:
+    """Default test for "normalisation-layer parameter": a path component named like a
+    norm layer (``LayerNorm_0``, ``BatchNorm``, ``RMSNorm``, ``GroupNorm``, ``ln_f``,
+    ``bn1``, anything containing ``norm``). Pass your own to `convert_to_amp`."""
+    del leaf
+    for entry in path:
+        key = getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry)))
+        if isinstance(key, str) and _NORM_RE.search(key):
+            return True
+    return False
+
+
+class ZeroCountState(NamedTuple):
+    """State of `count_zeros`: the number of exactly-zero gradient elements last step."""
+
+    num_zeros_in_grad: jax.Array
+
+
+def count_zeros() -> optax.GradientTransformation:
+    """An identity link that records the number of zero gradient elements (int32)."""
+
+    def init_fn(params):
+        del params
+        return ZeroCountState(jnp.zeros((), jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        del params, state
+        n = sum(
+            (jnp.sum(x == 0, dtype=jnp.int32) for x in jax.tree_util.tree_leaves(updates)
+             if jnp.issubdtype(x.dtype, jnp.floating)),
+            jnp.zeros((), jnp.int32),
+        )
+        return updates, ZeroCountState(n)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class AmpSetup(NamedTuple):
+    """What `convert_to_amp` returns.
+
+    Attributes:
+      apply_fn: the model function in the mode's precision; outputs come back in the
+        policy's output dtype (float32), so the loss you compute on them is float32.
+      optimizer: the optax transformation (loss scaling and master weights as the mode
+        requires); use `mpfunc.scale_loss` / `mpfunc.scale_metrics` with its state.
+      policy: the mode's `Policy` (params / compute / output dtypes).
+      cast_params: casts float32 params to the mode's storage dtypes (norm params stay
+        float32 where the mode keeps norms in float32).
+      plan: the resolved mode (shared with the torch side).
+    """
+
+    apply_fn: Callable
+    optimizer: optax.GradientTransformationExtraArgs
+    policy: Policy
+    cast_params: Callable[[Any], Any]
+    plan: AmpPlan
+
+
+def _cast_tree(tree, dtype, keep: Callable | None):
+    def f(path, x):
+        if not (isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)):
+            return x
+        if keep is not None and keep(path, x):
+            return x.astype(jnp.float32) if x.dtype != jnp.float32 else x
+        return x.astype(dtype) if x.dtype != dtype else x
+
+    return jax.tree_util.tree_map_with_path(f, tree)
+
+
+def convert_to_amp(
+    apply_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    mode: str = "torch",
+    *,
+    is_norm: Callable[[tuple, Any], bool] = is_norm_param,
+    axis_name: Any = None,
+    **config: Any,
+) -> AmpSetup:
+    """Sets up a mixed-precision train step: the JAX mirror of ``mpfunc_torch.convert_to_amp``.
+
+    Modes, keys and defaults are the torch side's (one shared table):
+
+    ======  ======================  ==========  ===================  =================
+    mode    params                  compute     loss scale           master weights
+    ======  ======================  ==========  ===================  =================
+    torch   float32                 autocast    dynamic, "torch"     no
+                                    f16/bf16
+    apex    O0 f32 / O1 f32 /       O1          O0, O3: static 1;    O2
+            O2 f16 + f32 norms /    autocast    O1, O2: dynamic,
+            O3 f16                              "apex"
+    naive   float16 (all)           float16     dynamic, "naive"     yes
+                                                (hysteresis 2)
+    bf16    float32                 autocast    none (non-finite     no
+                                    bf16        steps still skipped)
+    ======  ======================  ==========  ===================  =================
+
+    ``apply_fn(params, *args, **kwargs)`` is wrapped: with autocast modes it runs under
+    `mpfunc.autocast`; otherwise floating inputs are cast to the compute dtype. Outputs
+    are cast to float32 (JAX has no criterion wrapper; this is its analogue). In O2 the
+    params `is_norm` selects stay float32, and so does their computation where it reads
+    them (half activations meeting float32 norm params promote to float32).
+
+    Args:
+      apply_fn: ``apply_fn(params, *args, **kwargs)``.
+      optimizer: the optax optimizer, e.g. ``optax.adamw(1e-3)``.
+      mode: ``"torch"``, ``"apex"``, ``"naive"`` or ``"bf16"``.
+      is_norm: ``(path, leaf) -> bool`` marking normalisation params (O2).
+      axis_name: mesh axes for the finite check under ``shard_map``.
+      **config: the mode's keys (see ``mpfunc_torch.convert_to_amp``).
+
+    Returns:
+      An `AmpSetup`.
+
+    Raises:
+      ValueError: unknown mode, opt level or key (listing the valid ones), or an
+        inconsistent config.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, mpfunc
+      >>> amp = mpfunc.convert_to_amp(lambda p, x: x @ p["w"], optax.sgd(0.1), mode="naive")
+      >>> params = amp.cast_params({"w": jnp.ones((3, 2))})
+      >>> params["w"].dtype, amp.apply_fn(params, jnp.ones((1, 3))).dtype
+      (dtype('float16'), dtype('float32'))
+    """
+    if not callable(apply_fn):
+        raise TypeError(f"`apply_fn` must be callable, got {type(apply_fn).__name__}.")
+    if not isinstance(optimizer, optax.GradientTransformation | optax.GradientTransformationExtraArgs):
+        raise TypeError("`optimizer` must be an optax GradientTransformation, got "
+                        f"{type(optimizer).__name__}.")
+    plan = resolve_amp(mode, config)
+    f32 = jnp.float32
+    if not plan.enabled:
+        # Plain float32. The state still has a (unit) loss scale, so the same train step
+        # runs with AMP on and off; non-finite steps are still skipped (free under jit).
+        policy = Policy(f32, f32, f32)
+        tx = _scale_transform(optimizer, cfg=None, static_value=1.0, axis_name=axis_name)
+        return AmpSetup(apply_fn, tx, policy, lambda p: p, plan)
+
+    param_dtype = _JNP[plan.cast_model_type] if plan.cast_model_type else f32
+    compute = _JNP[plan.autocast_dtype] if plan.autocast_dtype else param_dtype
+    output = _JNP[plan.cast_model_outputs] if plan.cast_model_outputs else f32
+    policy = Policy(param_dtype, compute, output)
+
+    keep = is_norm if plan.keep_norm_fp32 else None
+
+    def cast_params(params):
+        return _cast_tree(params, param_dtype, keep)
+
+    if plan.autocast_dtype is not None:
+        inner_apply = autocast(apply_fn, compute_dtype=compute)
+
+        def wrapped(params, *args, **kwargs):
+            return policy.cast_to_output(inner_apply(params, *args, **kwargs))
+    else:
+        def wrapped(params, *args, **kwargs):
+            args, kwargs = policy.cast_to_compute((args, kwargs))
+            return policy.cast_to_output(apply_fn(params, *args, **kwargs))
+
+    links = []
+    if plan.log_num_zeros_in_grad:
+        links.append(count_zeros())
+    if plan.clip_grad:
+        links.append(optax.clip_by_global_norm(plan.clip_grad))
+    links.append(optimizer)
+    inner = optax.chain(*links) if len(links) > 1 else optimizer
+    if plan.master_weights:
+        inner = master_weights(inner)
+    if plan.scale_kind == "dynamic":
+        tx = _scale_transform(inner, cfg=plan.scale_config, static_value=None,
+                              axis_name=axis_name)
+    else:
+        value = plan.static_scale if plan.scale_kind == "static" else 1.0
+        tx = _scale_transform(inner, cfg=None, static_value=value, axis_name=axis_name)
+    return AmpSetup(wrapped, tx, policy, cast_params, plan)
