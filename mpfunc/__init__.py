@@ -5,6 +5,7 @@ weights, and the torch / apex-like / naive / bf16 AMP modes.
 """
 
 from mpfunc._src.autocast import AutocastLists, autocast
+from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
 from mpfunc._src.loss_scale import (
     LossScaleState,
     all_finite,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpSetup",
     "AutocastLists",
+    "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",
     "Policy",
@@ -36,9 +38,12 @@ __all__ = [
     "dynamic_scale",
     "get_policy",
     "is_norm_param",
+    "linen_policy",
     "loss_scale",
     "master_weights",
+    "nnx_apply_policy",
     "no_scale",
+    "norm_classes",
     "scale_loss",
     "scale_metrics",
     "static_scale",
