@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/quickstart_jax.py
+	$(BIN)/python examples/compare_modes.py --quick
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

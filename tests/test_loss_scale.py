@@ -525,6 +525,29 @@ class TestSharding:
         chex.assert_trees_all_equal(state2.inner_state, state1.inner_state)
         assert float(state2.loss_scale) == 2.0**15 and int(state2.skipped_steps) == 1
 
+    @pytest.mark.parametrize("check_vma", [True, False])
+    def test_grads_varying_over_one_axis_only(self, check_vma):
+        # Data + tensor parallel: w1's gradient is summed over "data" (so identical across
+        # it) and sharded over "model". An inf in one model column's shard must make the
+        # other column skip too. With check_vma, jax rejects a psum over "data" here.
+        mesh = mesh_2d()
+        opt = mpfunc.dynamic_scale(adam(1e-2), axis_name=("data", "model"))
+        w_spec = P(None, "model")
+
+        def step(w, x, col):
+            grads = jax.grad(lambda w: jax.lax.pmean(jnp.sum((x @ w) ** 2), "data"))(w)
+            me = jax.lax.axis_index("model")
+            grads = jnp.where(me == col, grads.at[0, 0].set(jnp.inf), grads)
+            state = opt.init(w)
+            _, state = opt.update(grads, state, w)
+            return jnp.broadcast_to(state.last_finite, (1, 1))
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(w_spec, P("data", None), P()),
+                                  out_specs=P("data", "model"), check_vma=check_vma))
+        w, x = jnp.ones((4, 8)), jnp.ones((8, 4))
+        assert np.asarray(f(w, x, jnp.int32(-1))).all()
+        assert not np.asarray(f(w, x, jnp.int32(1))).any()
+
     def test_optax_apply_if_finite_decides_per_shard(self):
         # The prior art this replaces: without a psum, replicas disagree.
         mesh = mesh_2d()

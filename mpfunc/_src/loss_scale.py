@@ -68,6 +68,44 @@ def _nonfinite_count(tree: Any) -> jax.Array:
     return sum(flags[1:], flags[0])
 
 
+def _varying_axes(x) -> frozenset | None:
+    """Mesh axes over which ``x`` varies, per shard_map's type system, if it says.
+
+    jax 0.10+ reports them as ``typeof(x).manual_axis_type.varying``, earlier versions
+    as ``typeof(x).vma``; outside shard_map, or with ``check_vma=False``, the set is
+    empty. Adapted here, in one place.
+    """
+    try:
+        t = jax.typeof(x)
+    except Exception:  # pragma: no cover - very old jax
+        return None
+    m = getattr(t, "manual_axis_type", None)
+    if m is not None:
+        return frozenset(m.varying)
+    v = getattr(t, "vma", None)
+    return frozenset(v) if v is not None else None
+
+
+def _psum_over(count: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Sums ``count`` over ``axis_name`` so that every shard holds the same total.
+
+    Under shard_map's varying-axes typing (``check_vma=True``, the default) the sum runs
+    over the axes ``count`` varies over; over the others it is already the same on every
+    shard (and jax rejects a psum there). Without that typing (``check_vma=False``,
+    ``pmap``) it runs over every named axis.
+    """
+    axes = tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+    varying = _varying_axes(count)
+    if varying:
+        sum_axes = tuple(a for a in axes if a in varying)
+        return jax.lax.psum(count, sum_axes) if sum_axes else count
+    try:
+        return jax.lax.psum(count, axes)
+    except ValueError:
+        # Typed as invariant over every axis: identical on all shards already.
+        return count
+
+
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     """Whether every floating leaf of ``tree`` is finite, as one boolean device scalar.
 
@@ -91,7 +129,7 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     """
     count = _nonfinite_count(tree)
     if axis_name is not None:
-        count = jax.lax.psum(count, axis_name)
+        count = _psum_over(count, axis_name)
     return count == 0
 
 
