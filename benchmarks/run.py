@@ -1,0 +1,62 @@
+"""One entry point for every benchmark; writes out/benchmarks.md and out/benchmarks.json.
+
+Runs, in order: the JAX loss-scale overhead (plain Adam / mpfunc / lax.cond variant /
+manual jmp-style loop), the torch modes (fp32 / raw torch.amp / every mpfunc_torch
+mode), and the unscale-and-check bandwidth. Each section records its device, software
+versions, the command and the date.
+
+    python benchmarks/run.py [--device cpu|cuda] [--out out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax_loss_scale  # noqa: E402
+import torch_modes  # noqa: E402
+import unscale_bandwidth  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    header = f"{date}; {platform.platform()}; Python {platform.python_version()}"
+    sections, results = [], {"date": date, "platform": platform.platform()}
+
+    r = jax_loss_scale.main([])
+    results["jax_loss_scale"] = r
+    sections.append("## JAX loss-scale overhead\n\nCommand: `python benchmarks/jax_loss_scale.py`"
+                    f"\n\n{jax_loss_scale.to_markdown(r)}")
+
+    r = torch_modes.main(["--device", args.device])
+    results["torch_modes"] = r
+    sections.append("## torch modes\n\nCommand: `python benchmarks/torch_modes.py "
+                    f"--device {args.device}`\n\n{torch_modes.to_markdown(r)}")
+
+    r = unscale_bandwidth.main(["--device", args.device])
+    results["unscale_bandwidth"] = r
+    sections.append("## Unscale-and-check bandwidth\n\nCommand: `python "
+                    f"benchmarks/unscale_bandwidth.py --device {args.device}`\n\n"
+                    + "\n".join(f"- {fw}: {v['unscale_GBps']:.1f} GB/s, {v['fraction_of_copy']:.2f} of copy "
+                                f"({v['copy_GBps']:.1f} GB/s)" for fw, v in
+                                ((k, r[k]) for k in ("torch", "jax"))))
+    md = f"# Benchmarks ({header})\n\n" + "\n\n".join(sections) + "\n"
+    (out / "benchmarks.md").write_text(md)
+    (out / "benchmarks.json").write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out / 'benchmarks.md'} and {out / 'benchmarks.json'}")
+
+
+if __name__ == "__main__":
+    main()
