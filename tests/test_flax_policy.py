@@ -107,6 +107,27 @@ class TestLinen:
             mpfunc.linen_policy(LinenNet(), "f32", {"LayerNorm": "f32"})
 
 
+class WithMetadata(nn.Module):
+    """Uses an fp8-style "overwrite with gradient" collection and an RNG stream."""
+
+    @nn.compact
+    def __call__(self, x):
+        amax = self.variable("_overwrite_with_gradient", "amax", jnp.ones, (4,), jnp.float32)
+        noise = jax.random.bernoulli(self.make_rng("dropout"), 0.5, (x.shape[0], 4))
+        y = nn.Dense(4)(x)
+        return jnp.where(noise, y, y * amax.value.astype(y.dtype))
+
+
+def test_linen_never_casts_non_param_collections_or_rngs():
+    amp = mpfunc.linen_policy(WithMetadata(), "p=f16,c=f16,o=f32")
+    key = jax.random.key(0)
+    v = amp.init({"params": key, "dropout": key}, jnp.ones((2, 3)))
+    assert v["params"]["Dense_0"]["kernel"].dtype == F16
+    assert v["_overwrite_with_gradient"]["amax"].dtype == F32  # metadata: never cast
+    y = amp.apply(v, jnp.ones((2, 3)), rngs={"dropout": jax.random.key(1)})
+    assert y.dtype == F32
+
+
 class NnxNet(nnx.Module):
     def __init__(self, rngs):
         self.l1 = nnx.Linear(8, 16, rngs=rngs)

@@ -288,7 +288,7 @@ def autocast(
       >>> (x @ w).dtype, f(x, w).dtype, jax.jit(f)(x, w).dtype
       (dtype('float32'), dtype('float32'), dtype('float32'))
       >>> mpfunc.autocast(lambda x, w: x @ w)(x, w).dtype
-      dtype(float16)
+      dtype('float16')
     """
     if fn is None:
         return functools.partial(autocast, compute_dtype=compute_dtype, lists=lists)
