@@ -138,6 +138,14 @@ def test_modes_match_the_torch_side_table():
     assert float(mpfunc.loss_scale(state)) == 2.0**12
 
 
+def test_verbosity_prints_the_plan_like_the_torch_side(capsys):
+    mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="apex", opt_level="O2")
+    assert "mode=apex O2" in capsys.readouterr().out
+    mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="apex", opt_level="O2", verbosity=0)
+    mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="naive")
+    assert capsys.readouterr().out == ""
+
+
 def test_naive_clip_and_zero_count():
     amp = mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="naive", clip_grad=0.5,
                                 log_num_zeros_in_grad=True, initial_scale=2.0**10)

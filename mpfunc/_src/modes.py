@@ -154,6 +154,8 @@ def convert_to_amp(
         raise TypeError("`optimizer` must be an optax GradientTransformation, got "
                         f"{type(optimizer).__name__}.")
     plan = resolve_amp(mode, config)
+    if plan.verbose:  # apex's verbosity / naive's verbose, as on the torch side
+        print(f"mpfunc.convert_to_amp: {plan.describe()}")
     f32 = jnp.float32
     if not plan.enabled:
         # Plain float32. The state still has a (unit) loss scale, so the same train step
