@@ -175,7 +175,10 @@ class AmpOptimizer(torch.optim.Optimizer):
     otherwise `step` reads one flag from the device (as ``torch.amp.GradScaler`` does).
 
     Use `backward` (it scales) and `step`; `step` returns a 0-dim bool tensor that says
-    whether the step was taken (reading it syncs).
+    whether the step was taken (reading it syncs). With master weights, the model's
+    half-precision ``.grad`` are released once copied into the float32 master grads
+    (at `unscale_`), and those are released after `step`: read gradients between
+    `unscale_` and `step`, on ``optimizer.param_groups``' params.
 
     Examples:
       >>> import torch, mpfunc_torch
@@ -369,7 +372,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         return [q.grad for q in self._owned if q.grad is not None]
 
     def _copy_grads_to_masters(self) -> None:
-        """Model (half) grads -> float32 master grads, one foreach copy."""
+        """Model (half) grads -> float32 master grads in one foreach copy; the half grads
+        are released right after (nothing reads them again before the next backward)."""
         model_grads, master_grads = [], []
         for p, m in self._pairs:
             if p.grad is None:
@@ -381,6 +385,14 @@ class AmpOptimizer(torch.optim.Optimizer):
             master_grads.append(m.grad)
         if model_grads:
             torch._foreach_copy_(master_grads, model_grads)
+        for p, _ in self._pairs:
+            p.grad = None
+
+    def _release_master_grads(self) -> None:
+        # Master grads are dead once the step is taken (or skipped); freeing them keeps
+        # them from sitting beside the next forward's activations.
+        for _, m in self._pairs:
+            m.grad = None
 
     def unscale_(self) -> None:
         """Divides the gradients the optimizer owns by the scale, and checks them.
@@ -499,6 +511,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 s._last_finite.copy_(found == 0)
         for f in self._found_inf_per_loss:
             f.zero_()
+        self._release_master_grads()
         self._grads_unscaled = False
         self._stage = _READY
         return stepped
