@@ -255,7 +255,7 @@ def run_jax(name, cfg, data, evals, init_params):
 def table(results, cfg):
     base = {r["framework"]: r for r in results if r["mode"] == "fp32"}
     kind = results[0]["mem_kind"]
-    head = (f"| framework | mode | {'peak' if kind == 'peak' else 'params+grads+opt state'} MiB "
+    head = (f"| framework | mode | {'peak' if kind == 'peak' else 'state after a step'} MiB "
             "| steps/s | samples/s | train loss | eval loss | skipped | loss scale "
             "| speed vs fp32 | memory vs fp32 |")
     lines = [head, "|" + " --- |" * 11]
