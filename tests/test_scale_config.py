@@ -55,3 +55,19 @@ def test_type_errors_name_the_argument(kwargs, name):
 def test_unknown_preset(preset):
     with pytest.raises(ValueError, match=r"`preset` must be one of \['apex', 'naive', 'torch'\]"):
         resolve_scale_config(preset)
+
+
+def _normalized(text):
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def test_both_packages_document_the_same_rule():
+    import mpfunc
+    import mpfunc_torch
+    from _mpfunc_common.scale_config import UPDATE_RULE
+
+    rule = _normalized(UPDATE_RULE)
+    for doc in (mpfunc.dynamic_scale.__doc__, mpfunc_torch.LossScaler.__doc__):
+        lines = _normalized(doc)
+        start = lines.index(rule[0])
+        assert lines[start:start + len(rule)] == rule
