@@ -347,9 +347,7 @@ def main(argv=None):
           f"context {cfg.context}; {cfg.steps} steps of batch {cfg.batch} on {cfg.device}")
 
     results = []
-    init_params = None
-    if cfg.framework in ("both", "torch") or cfg.framework == "jax":
-        init_params = torch_to_jax_params(torch_model(cfg))
+    init_params = torch_to_jax_params(torch_model(cfg))  # the JAX runs start from torch's init
     for name in modes:
         if cfg.framework in ("both", "jax"):
             results.append(run_jax(name, cfg, data, evals, init_params))

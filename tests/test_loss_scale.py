@@ -194,6 +194,29 @@ class TestWrapper:
             chex.assert_trees_all_equal(u1, u2)
             chex.assert_trees_all_equal(s1, s2)
 
+    @pytest.mark.parametrize("skip_with", ["select", "cond"])
+    def test_inner_state_keeps_its_init_dtypes(self, skip_with):
+        # Half params without master weights: momentum is made in float16 by init but
+        # fed float32 grads; both skip implementations must keep it float16.
+        from _mpfunc_common.scale_config import resolve_scale_config
+
+        params = {"w": jnp.ones((3,), jnp.float16)}
+        opt = _scale_transform(lenient(optax.sgd(0.1, momentum=0.9)),
+                               cfg=resolve_scale_config("torch"), static_value=None,
+                               axis_name=None, skip_with=skip_with)
+        state = opt.init(params)
+        traces = []
+
+        @jax.jit
+        def step(g, s):
+            traces.append(1)
+            return opt.update(g, s, params)
+
+        for v in (1.0, jnp.inf, 1.0):
+            _, state = step({"w": jnp.full((3,), v, jnp.float16)}, state)
+        assert state.inner_state[0].trace["w"].dtype == jnp.float16
+        assert len(traces) == 1
+
     def test_clipping_inside_sees_unscaled_grads(self):
         params, opt, state = adam_setup(
             lenient(optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1.0))),
@@ -603,7 +626,6 @@ def test_two_processes_skip_together():
         data = json.loads(line[len("RESULT "):])
         reports[data["process"]] = data["report"]
     r0, r1 = reports[0], reports[1]
-    assert r0 == [dict(r, params_unchanged=r["params_unchanged"]) for r in r1] or True
     for a, b in zip(r0, r1):
         assert a["finite"] == b["finite"] and a["scale"] == b["scale"]
         assert a["skipped"] == b["skipped"]

@@ -199,4 +199,4 @@ def test_is_norm_param():
     assert mpfunc.is_norm_param((DictKey("ln_f"),), None)
     assert mpfunc.is_norm_param((DictKey("bn1"),), None)
     assert not mpfunc.is_norm_param((DictKey("Dense_0"), DictKey("kernel")), None)
-    assert mpfunc.is_norm_param((DictKey("ln"), ), None) is not False
+    assert mpfunc.is_norm_param((DictKey("ln"),), None)

@@ -1,7 +1,5 @@
 """Tests for mpfunc_torch._src.amp: convert_to_amp and its model/optimizer/criterion."""
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -598,5 +596,3 @@ def test_every_mode_on_cuda(mode, cfg):
         losses.append(loss.detach())
     assert float(torch.stack(losses[-5:]).mean()) < float(torch.stack(losses[:5]).mean())
 
-
-_ = contextlib

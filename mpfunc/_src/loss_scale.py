@@ -156,19 +156,21 @@ def _cast_like(tree: Any, like: Any) -> Any:
 
 
 def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """``on_true`` where ``pred`` else ``on_false``, in ``on_false``'s dtypes.
+    # A select, never a multiply by a mask: 0 * inf would be nan.
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
-    A select, never a multiply by a mask (0 * inf would be nan). Keeping the old leaves'
-    dtypes keeps state dtypes fixed from init: an inner optimizer whose state was made
-    from half params would otherwise drift to float32 under float32 gradients.
+
+def _keep_dtypes(new_state: Any, old_state: Any) -> Any:
+    """``new_state`` cast leaf by leaf to ``old_state``'s dtypes.
+
+    Keeps the inner state's dtypes fixed from init: an inner optimizer whose state was
+    made from half params would otherwise drift to float32 under the float32 gradients
+    it is given, retracing the step and mismatching the skip's branches.
     """
-
-    def sel(a, b):
-        if hasattr(b, "dtype") and hasattr(a, "dtype") and a.dtype != b.dtype:
-            a = a.astype(b.dtype)
-        return jnp.where(pred, a, b)
-
-    return jax.tree_util.tree_map(sel, on_true, on_false)
+    return jax.tree_util.tree_map(
+        lambda a, b: a.astype(b.dtype) if hasattr(a, "dtype") and a.dtype != b.dtype else a,
+        new_state, old_state,
+    )
 
 
 def _zeros_like(tree: Any) -> Any:
@@ -249,11 +251,13 @@ def _scale_transform(
             inner_updates, inner_state = inner.update(
                 grads, state.inner_state, params, **extra_args
             )
+            inner_state = _keep_dtypes(inner_state, state.inner_state)
             new_updates = _select(finite, inner_updates, _zeros_like(inner_updates))
             new_inner = _select(finite, inner_state, state.inner_state)
         else:
             def apply(_):
-                return inner.update(grads, state.inner_state, params, **extra_args)
+                u, s = inner.update(grads, state.inner_state, params, **extra_args)
+                return u, _keep_dtypes(s, state.inner_state)
 
             def skip(_):
                 u, _s = jax.eval_shape(apply, None)

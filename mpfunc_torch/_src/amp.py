@@ -416,6 +416,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         found.zero_()
         if self._grads_unscaled:  # num_losses > 1: each backward already unscaled
             for f in self._found_inf_per_loss:
+                all_reduce_found_inf_(f, self._groups)
                 torch.maximum(found, f, out=found)
         else:
             if self._pairs:
@@ -424,11 +425,8 @@ class AmpOptimizer(torch.optim.Optimizer):
             inv = scaler.inv_scale() if scaler.kind != "none" else torch.ones(
                 (), device=self._device)
             fused.unscale_and_check_(self._owned_grads(), found, inv)
+            all_reduce_found_inf_(found, self._groups)
             self._found_inf_per_loss[0].copy_(found)
-        all_reduce_found_inf_(found, self._groups)
-        if len(self._found_inf_per_loss) > 1 and self._groups:
-            for f in self._found_inf_per_loss:
-                all_reduce_found_inf_(f, self._groups)
         self._stage = _UNSCALED
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -493,12 +491,11 @@ class AmpOptimizer(torch.optim.Optimizer):
                 if self._pairs:
                     self._copy_masters_to_model()
             else:
-                ok = not bool(found.item())  # the one host read of a non-fused step
-                if ok:
+                if not found.item():  # the one host read of a non-fused step
                     self.optimizer.step()
                     if self._pairs:
                         self._copy_masters_to_model()
-                stepped = torch.tensor(ok, device=self._device)
+                stepped = found == 0
         if len(self._scalers) == 1:
             if self._shared.record(found):
                 scaler.update(self._shared.take(found))
@@ -506,9 +503,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             for s, f in zip(self._scalers, self._found_inf_per_loss):
                 # Each loss's scale follows its own overflows; the step is skipped (and
                 # counted on every scaler) if any loss overflowed.
-                s.update(f)
-                s._skipped.add_(((f == 0) & (found != 0)).to(torch.int32))
-                s._last_finite.copy_(found == 0)
+                s.update(f, step_found_inf=found)
         for f in self._found_inf_per_loss:
             f.zero_()
         self._release_master_grads()

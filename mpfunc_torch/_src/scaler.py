@@ -112,12 +112,21 @@ class LossScaler:
         """``1 / scale``, correctly rounded in float32 as on the JAX side (a new tensor)."""
         return torch.reciprocal(self._scale)
 
-    def update(self, found_inf: torch.Tensor) -> None:
-        """Advances the state by one step; ``found_inf`` is a 0-dim float tensor (0 or 1)."""
+    def update(self, found_inf: torch.Tensor, step_found_inf: torch.Tensor | None = None) -> None:
+        """Advances the state by one step.
+
+        Args:
+          found_inf: 0-dim float tensor, 1 if this scale's gradients overflowed; the
+            scale follows it.
+          step_found_inf: the step's overall flag, when several scales share one step
+            (``num_losses > 1``: any loss overflowing skips the step). ``skipped_steps``
+            and ``last_finite`` follow it. Default: ``found_inf``.
+        """
         found_inf = found_inf.to(self.device, torch.float32)
         finite = found_inf == 0
-        self._last_finite.copy_(finite)
-        self._skipped.add_((~finite & (self._skipped < _INT32_MAX)).to(torch.int32))
+        step_finite = finite if step_found_inf is None else step_found_inf.to(self.device) == 0
+        self._last_finite.copy_(step_finite)
+        self._skipped.add_((~step_finite & (self._skipped < _INT32_MAX)).to(torch.int32))
         if self.kind != "dynamic":
             return
         if self._use_torch_kernel:
