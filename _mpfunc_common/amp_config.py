@@ -273,6 +273,7 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
             hysteresis=cfg["hysteresis"],
             min_scale=cfg["min_scale"],
             max_scale=cfg["max_scale"],
+            names={"init_scale": "initial_scale"},
         )
         return AmpPlan(
             mode="naive", cast_model_type="float16", keep_norm_fp32=False,
@@ -323,7 +324,10 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
     loss_scale = props["loss_scale"]
     min_s, max_s = cfg["min_loss_scale"], cfg["max_loss_scale"]
     if loss_scale == "dynamic":
-        scale_cfg = resolve_scale_config("apex", min_scale=min_s, max_scale=max_s)
+        scale_cfg = resolve_scale_config(
+            "apex", min_scale=min_s, max_scale=max_s,
+            names={"min_scale": "min_loss_scale", "max_scale": "max_loss_scale"},
+        )
         kind, static = "dynamic", 1.0
     elif isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
         if not (math.isfinite(loss_scale) and loss_scale > 0):

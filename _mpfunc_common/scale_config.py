@@ -9,8 +9,31 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import struct
+from collections.abc import Mapping
 
-__all__ = ["ScaleConfig", "SCALE_PRESETS", "UPDATE_RULE", "resolve_scale_config"]
+__all__ = [
+    "ScaleConfig",
+    "SCALE_PRESETS",
+    "UPDATE_RULE",
+    "FLOAT32_MIN_NORMAL",
+    "FLOAT32_MAX",
+    "DEFAULT_MIN_SCALE",
+    "resolve_scale_config",
+    "to_float32",
+    "as_python_number",
+]
+
+# The smallest normal and the largest finite float32. A scale is always inside
+# [FLOAT32_MIN_NORMAL, FLOAT32_MAX]: never 0, subnormal (XLA on CPU flushes those to 0,
+# torch does not, so the two frameworks would diverge), inf or NaN.
+FLOAT32_MIN_NORMAL = 2.0**-126
+FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
+
+# The floor every preset uses unless `min_scale` is given (Megatron-LM's value). With a
+# scale >= 1, unscaling multiplies by <= 1, so it cannot turn a finite gradient into an
+# inf; below 1 an extra check after unscaling is needed (both sides do it then).
+DEFAULT_MIN_SCALE = 1.0
 
 # The update rule, shared word for word by the JAX and torch docstrings.
 UPDATE_RULE = """\
@@ -29,10 +52,14 @@ UPDATE_RULE = """\
             if isfinite(grown):
                 loss_scale = grown
 
-    All arithmetic is float32: the factors are cast to float32 first and each product
-    is rounded to the nearest float32. With power-of-two factors every product is exact,
-    which is why the presets reproduce their anchors bit for bit. The initial scale is
-    min(init_scale, max_scale), as apex does.
+    All arithmetic is float32: every hyperparameter is rounded to float32 once, at
+    construction (a value that does not survive that rounding is a ValueError), and each
+    product is rounded to the nearest float32. With power-of-two factors every product
+    is exact, which is why the presets reproduce their anchors bit for bit. The initial
+    scale is min(init_scale, max_scale), as apex does. min_scale defaults to 1.0 and is
+    at least 2**-126 (the smallest normal float32), so the scale is never 0, subnormal,
+    inf or NaN; GradScaler and apex have no floor and follow the same trajectory as
+    long as theirs stays >= 1.
 """
 
 
@@ -40,7 +67,8 @@ UPDATE_RULE = """\
 class ScaleConfig:
     """Hyperparameters of the dynamic loss-scale rule (see `UPDATE_RULE`).
 
-    ``min_scale=0.0`` means no floor and ``max_scale=inf`` no ceiling.
+    Every float is a float32 value (rounded once by `resolve_scale_config`).
+    ``max_scale=inf`` means no ceiling; there is always a floor, ``min_scale`` >= 2**-126.
     """
 
     init_scale: float
@@ -55,27 +83,87 @@ class ScaleConfig:
     def initial_scale(self) -> float:
         return min(self.init_scale, self.max_scale)
 
+    @property
+    def may_go_below_one(self) -> bool:
+        """Whether the scale can fall below 1, where unscaling multiplies by more than 1
+        and can turn a finite gradient into an inf (so a check after unscaling is due)."""
+        return self.min_scale < 1.0 or self.initial_scale < 1.0
+
 
 SCALE_PRESETS: dict[str, ScaleConfig] = {
-    # torch.amp.GradScaler defaults.
-    "torch": ScaleConfig(2.0**16, 2.0, 0.5, 2000, 1, 0.0, math.inf),
-    # apex.amp LossScaler (dynamic): window 2000, no floor, ceiling 2**24.
-    "apex": ScaleConfig(2.0**16, 2.0, 0.5, 2000, 1, 0.0, 2.0**24),
+    # torch.amp.GradScaler defaults (GradScaler has no floor; ours is 1.0).
+    "torch": ScaleConfig(2.0**16, 2.0, 0.5, 2000, 1, DEFAULT_MIN_SCALE, math.inf),
+    # apex.amp LossScaler (dynamic): window 2000, ceiling 2**24 (apex: no floor; ours 1.0).
+    "apex": ScaleConfig(2.0**16, 2.0, 0.5, 2000, 1, DEFAULT_MIN_SCALE, 2.0**24),
     # Megatron-LM / Colossal-AI naive DynamicGradScaler with Colossal's defaults.
     "naive": ScaleConfig(2.0**32, 2.0, 0.5, 1000, 2, 1.0, 2.0**32),
+    # jmp.DynamicLossScale as jmp's README builds it: period 2000, factor 2, min 1.
+    "jmp": ScaleConfig(2.0**15, 2.0, 0.5, 2000, 1, 1.0, math.inf),
 }
 
 
-def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}: {value!r}.")
+def to_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (inf beyond float32's range), as a float."""
+    if math.isnan(value) or math.isinf(value):
+        return value
+    if abs(value) >= 2.0**128 * (1 - 2.0**-25):  # rounds past FLOAT32_MAX
+        return math.copysign(math.inf, value)
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def as_python_number(name: str, value, *, integer: bool = False):
+    """A hyperparameter as a Python int/float, from a Python, NumPy, JAX or torch scalar.
+
+    Concrete 0-d arrays (``jnp.float32(2.**15)``, ``np.float32(2.0)``) are accepted, as jmp
+    users write them; integral floats are accepted where an int is due
+    (``growth_interval=5.``). Bools, strings, non-scalars and traced values are not.
+
+    Raises:
+      TypeError: naming ``name``, the expected type and what was found.
+    """
+    if isinstance(value, bool) or isinstance(value, str | bytes):
+        kind = "an int" if integer else "a real number"
+        raise TypeError(f"`{name}` must be {kind}, got {type(value).__name__}: {value!r}.")
+    if not isinstance(value, numbers.Real):
+        shape = getattr(value, "shape", None)
+        dtype = str(getattr(value, "dtype", ""))
+        if shape is None or tuple(shape) != () or "bool" in dtype or not (
+            "float" in dtype or "int" in dtype
+        ):
+            kind = "an int" if integer else "a real number"
+            raise TypeError(f"`{name}` must be {kind} (or a 0-d numeric array), got "
+                            f"{type(value).__name__}: {value!r}.")
+        try:
+            value = value.item()
+        except Exception as e:  # a jax tracer: hyperparameters must be concrete
+            raise TypeError(
+                f"`{name}` must be a concrete number, got a traced value "
+                f"({type(value).__name__}); build the transformation outside `jit`/`grad` "
+                "or pass a Python number."
+            ) from e
+    if integer:
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+            return int(value)
+        raise TypeError(f"`{name}` must be an int (an integral float like 5.0 is accepted), "
+                        f"got {type(value).__name__}: {value!r}.")
     return float(value)
 
 
-def _int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}: {value!r}.")
-    return int(value)
+_CHECKS = (
+    # key, description of the allowed range, predicate on the float32 value
+    ("init_scale", "in [2**-126, 3.4e38] (a normal float32)",
+     lambda v: FLOAT32_MIN_NORMAL <= v <= FLOAT32_MAX),
+    ("min_scale", "in [2**-126, 3.4e38] (a normal float32; the default floor is 1.0)",
+     lambda v: FLOAT32_MIN_NORMAL <= v <= FLOAT32_MAX),
+    ("max_scale", "in [2**-126, 3.4e38] or inf",
+     lambda v: FLOAT32_MIN_NORMAL <= v <= FLOAT32_MAX or v == math.inf),
+    ("growth_factor", "> 1 and finite after rounding to float32",
+     lambda v: 1.0 < v <= FLOAT32_MAX),
+    ("backoff_factor", "in (0, 1) after rounding to float32",
+     lambda v: 0.0 < v < 1.0),
+)
 
 
 def resolve_scale_config(
@@ -88,14 +176,32 @@ def resolve_scale_config(
     hysteresis=None,
     min_scale=None,
     max_scale=None,
+    names: Mapping[str, str] | None = None,
 ) -> ScaleConfig:
     """Returns the preset's config with every argument that is not None overriding it.
+
+    Every float is rounded to float32 here, once, and checked after rounding: a value
+    that overflows float32, rounds to 0 or to a subnormal, or a factor that rounds to
+    1.0, is refused rather than silently changing the rule.
+
+    Args:
+      preset: ``"torch"``, ``"apex"``, ``"naive"`` or ``"jmp"``.
+      init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
+        max_scale: overrides (None keeps the preset's value). Python, NumPy or concrete
+        JAX/torch scalars.
+      names: how the caller's user spells each key (e.g. ``{"min_scale":
+        "min_loss_scale"}`` for apex), so that errors name what the user typed.
 
     Raises:
       ValueError: an unknown preset, or an argument out of its range; the message names
         the argument, what was expected and what was found.
       TypeError: an argument of the wrong type.
     """
+    names = dict(names or {})
+
+    def nm(key: str) -> str:
+        return names.get(key, key)
+
     if not isinstance(preset, str) or preset not in SCALE_PRESETS:
         raise ValueError(
             f"`preset` must be one of {sorted(SCALE_PRESETS)}, got {preset!r}."
@@ -111,38 +217,37 @@ def resolve_scale_config(
         max_scale=max_scale,
     )
     values = dataclasses.asdict(base)
+    given = {}
     for name, value in overrides.items():
         if value is None:
             continue
         if name in ("growth_interval", "hysteresis"):
-            values[name] = _int(name, value)
+            values[name] = as_python_number(nm(name), value, integer=True)
         else:
-            values[name] = _real(name, value)
+            given[name] = as_python_number(nm(name), value)
+            values[name] = to_float32(given[name])
+    for key, allowed, ok in _CHECKS:
+        v = values[key]
+        overflowed = key in given and math.isfinite(given[key]) and math.isinf(v)
+        if overflowed or not ok(v):
+            raw = given.get(key, v)
+            shown = f"{raw!r}" + (f" (float32: {v!r})" if raw != v and not math.isnan(raw) else "")
+            raise ValueError(f"`{nm(key)}` must be {allowed}, got {shown}.")
     cfg = ScaleConfig(**values)
-    if not (math.isfinite(cfg.init_scale) and cfg.init_scale > 0):
-        raise ValueError(f"`init_scale` must be finite and > 0, got {cfg.init_scale!r}.")
-    if not (math.isfinite(cfg.growth_factor) and cfg.growth_factor > 1):
-        raise ValueError(f"`growth_factor` must be finite and > 1, got {cfg.growth_factor!r}.")
-    if not (0 < cfg.backoff_factor < 1):
-        raise ValueError(f"`backoff_factor` must be in (0, 1), got {cfg.backoff_factor!r}.")
-    if cfg.growth_interval < 1:
-        raise ValueError(f"`growth_interval` must be >= 1, got {cfg.growth_interval!r}.")
-    if cfg.growth_interval > 2**31 - 1:
-        raise ValueError(f"`growth_interval` must fit in int32, got {cfg.growth_interval!r}.")
-    if cfg.hysteresis < 1:
-        raise ValueError(f"`hysteresis` must be >= 1, got {cfg.hysteresis!r}.")
-    if cfg.hysteresis > 2**31 - 1:
-        raise ValueError(f"`hysteresis` must fit in int32, got {cfg.hysteresis!r}.")
-    if not (cfg.min_scale >= 0 and math.isfinite(cfg.min_scale)):
-        raise ValueError(f"`min_scale` must be finite and >= 0, got {cfg.min_scale!r}.")
-    if not cfg.max_scale > 0:
-        raise ValueError(f"`max_scale` must be > 0, got {cfg.max_scale!r}.")
+    for key, limit in (("growth_interval", 1), ("hysteresis", 1)):
+        v = getattr(cfg, key)
+        if v < limit:
+            raise ValueError(f"`{nm(key)}` must be >= {limit}, got {v!r}.")
+        if v > 2**31 - 1:
+            raise ValueError(f"`{nm(key)}` must fit in int32 (<= 2**31 - 1), got {v!r}.")
     if cfg.min_scale > cfg.max_scale:
         raise ValueError(
-            f"`min_scale` ({cfg.min_scale!r}) must be <= `max_scale` ({cfg.max_scale!r})."
+            f"`{nm('min_scale')}` ({cfg.min_scale!r}) must be <= `{nm('max_scale')}` "
+            f"({cfg.max_scale!r})."
         )
     if cfg.initial_scale < cfg.min_scale:
         raise ValueError(
-            f"`init_scale` ({cfg.init_scale!r}) must be >= `min_scale` ({cfg.min_scale!r})."
+            f"`{nm('init_scale')}` ({cfg.init_scale!r}) must be >= `{nm('min_scale')}` "
+            f"({cfg.min_scale!r})."
         )
     return cfg

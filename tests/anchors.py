@@ -61,3 +61,20 @@ def megatron_scaler(
                     scale = min(scale, np.float32(max_scale))
         out.append(np.float32(scale))
     return out
+
+
+def assert_matches_anchor(ours, ref, floor=1.0):
+    """Our trajectory against an anchor's that has no floor (GradScaler, apex).
+
+    Where the anchor's scale stays >= ``floor`` the two are bit for bit equal. Where it
+    falls below, ours is equal up to that step, then sits at ``floor`` for that step and
+    never goes below it.
+    """
+    ours = np.asarray(ours, np.float32)
+    ref = np.asarray(ref, np.float32)
+    below = np.flatnonzero(ref < np.float32(floor))
+    cut = below[0] if below.size else len(ref)
+    np.testing.assert_array_equal(ours[:cut].view(np.uint32), ref[:cut].view(np.uint32))
+    assert (ours >= np.float32(floor)).all(), ours.min()
+    if below.size:
+        assert ours[cut] == np.float32(floor)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from anchors import apex_loss_scaler, megatron_scaler, torch_gradscaler
+from anchors import apex_loss_scaler, assert_matches_anchor, megatron_scaler, torch_gradscaler
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
@@ -58,11 +58,25 @@ class TestAnchors:
     @given(seqs, st.integers(1, 6))
     def test_torch_gradscaler(self, seq, interval):
         ours = trajectory(mpfunc.dynamic_scale(preset="torch", growth_interval=interval), seq)
-        assert_bitwise(ours, torch_gradscaler(seq, interval=interval))
+        assert_matches_anchor(ours, torch_gradscaler(seq, interval=interval))
+
+    @given(seqs, st.integers(1, 6))
+    def test_torch_gradscaler_with_the_smallest_floor(self, seq, interval):
+        # min_scale=2**-126: GradScaler's trajectory exactly, down to the smallest normal.
+        opt = mpfunc.dynamic_scale(growth_interval=interval, min_scale=2.0**-126)
+        assert_matches_anchor(trajectory(opt, seq), torch_gradscaler(seq, interval=interval),
+                              floor=2.0**-126)
 
     @given(seqs)
     def test_torch_preset_defaults(self, seq):
-        assert_bitwise(trajectory(mpfunc.dynamic_scale(), seq), torch_gradscaler(seq))
+        assert_matches_anchor(trajectory(mpfunc.dynamic_scale(), seq), torch_gradscaler(seq))
+
+    def test_long_overflow_runs_stop_at_the_floor(self):
+        # 142 overflows from 2**16 took the old, unfloored rule to exactly 0 on CPU.
+        for init, floor in ((2.0**16, 1.0), (2.0**-90, 2.0**-126)):
+            opt = mpfunc.dynamic_scale(init_scale=init, min_scale=floor)
+            ours = trajectory(opt, [False] * 120)
+            assert ours.min() == np.float32(floor) and ours[-1] == np.float32(floor)
 
     @given(seqs, st.integers(1, 6), st.sampled_from([None, 1.0, 2.0**-3, 2.0**10]),
            st.sampled_from([2.0**24, 2.0**17, 2.0**14]))
@@ -74,11 +88,12 @@ class TestAnchors:
         if min_s is not None and min_s > min(2.0**16, max_s):
             return
         ref = apex_loss_scaler(seq, min_loss_scale=min_s, max_loss_scale=max_s, window=window)
-        assert_bitwise(trajectory(opt, seq), ref)
+        assert_matches_anchor(trajectory(opt, seq), ref, floor=1.0 if min_s is None else min_s)
 
     @given(seqs)
     def test_apex_preset_defaults(self, seq):
-        assert_bitwise(trajectory(mpfunc.dynamic_scale(preset="apex"), seq), apex_loss_scaler(seq))
+        assert_matches_anchor(trajectory(mpfunc.dynamic_scale(preset="apex"), seq),
+                              apex_loss_scaler(seq))
 
     @given(seqs, st.integers(1, 6), st.integers(1, 4), st.sampled_from([1.0, 2.0**20]))
     def test_megatron_scaler(self, seq, interval, hysteresis, min_s):
@@ -105,7 +120,7 @@ class TestAnchors:
 
     def test_non_power_of_two_factors_round_in_float32(self):
         opt = mpfunc.dynamic_scale(init_scale=3.0, growth_factor=1.1, backoff_factor=0.3,
-                                   growth_interval=1)
+                                   growth_interval=1, min_scale=2.0**-126)
         ours = trajectory(opt, [True, False, True])
         s = np.float32(3.0)
         expected = []

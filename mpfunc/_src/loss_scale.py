@@ -309,14 +309,17 @@ _DYNAMIC_DOC = """Dynamic loss scaling as an optax transformation.
     ========  ==========  ======  =======  ========  ==========  =====  =========
     preset    init_scale  growth  backoff  interval  hysteresis  min    max
     ========  ==========  ======  =======  ========  ==========  =====  =========
-    torch     2**16       2.0     0.5      2000      1           0      inf
-    apex      2**16       2.0     0.5      2000      1           0      2**24
+    torch     2**16       2.0     0.5      2000      1           1      inf
+    apex      2**16       2.0     0.5      2000      1           1      2**24
     naive     2**32       2.0     0.5      1000      2           1      2**32
+    jmp       2**15       2.0     0.5      2000      1           1      inf
     ========  ==========  ======  =======  ========  ==========  =====  =========
 
     ``torch`` reproduces ``torch.amp.GradScaler``, ``apex`` apex's dynamic
-    ``LossScaler``, and ``naive`` Megatron-LM's / Colossal-AI's ``DynamicGradScaler``
-    (with Colossal's naive-AMP defaults), bit for bit, given the same overflows.
+    ``LossScaler``, ``naive`` Megatron-LM's / Colossal-AI's ``DynamicGradScaler``
+    (with Colossal's naive-AMP defaults) and ``jmp`` ``jmp.DynamicLossScale``, bit for
+    bit, given the same overflows. GradScaler and apex have no floor; ours is 1.0 by
+    default, so their trajectories are reproduced exactly as long as theirs stays >= 1.
 
     **Two forms, and which one skips exactly.**
 
@@ -338,13 +341,15 @@ _DYNAMIC_DOC = """Dynamic loss scaling as an optax transformation.
     Args:
       inner: the transformation to run on unscaled gradients (wrapper form), or None
         (chain form).
-      preset: ``"torch"`` (default), ``"apex"`` or ``"naive"``.
+      preset: ``"torch"`` (default), ``"apex"``, ``"naive"`` or ``"jmp"``.
       init_scale: initial scale (clamped to ``max_scale``).
       growth_factor: factor applied after ``growth_interval`` clean steps; > 1.
       backoff_factor: factor applied on overflow; in (0, 1).
       growth_interval: clean steps between growths; >= 1.
       hysteresis: overflows absorbed before backing off; >= 1 (1 = back off at once).
-      min_scale: floor of the scale (0 = none).
+      min_scale: floor of the scale, >= 2**-126 (default 1.0). Below 1, unscaling
+        multiplies by more than 1; the finite check runs after unscaling, so an
+        overflow it creates is still caught.
       max_scale: ceiling of the scale (inf = none).
       axis_name: mesh axis name(s) over which the finite check is ``psum``-med, for use
         inside ``shard_map``/``pmap``. Not needed under plain ``jit``.

@@ -84,8 +84,10 @@ class LossScaler:
             self._min = torch.tensor(config.min_scale, dtype=f32, device=device)
             self._max = torch.tensor(config.max_scale, dtype=f32, device=device)
             self._hyst_full = torch.tensor(config.hysteresis, dtype=i32, device=device)
+            # torch's kernel has no floor; clamping its result to min_scale afterwards is
+            # the same rule (the floor only ever applies to a backed-off scale).
             self._use_torch_kernel = (
-                config.hysteresis == 1 and config.min_scale == 0.0
+                config.hysteresis == 1
                 and math.isinf(config.max_scale)
                 and _is_power_of_two(config.growth_factor)
                 and _is_power_of_two(config.backoff_factor)
@@ -135,6 +137,7 @@ class LossScaler:
                 self.config.growth_factor, self.config.backoff_factor,
                 self.config.growth_interval,
             )
+            torch.maximum(self._scale, self._min, out=self._scale)
             # Keep hysteresis_left as the rule defines it (for hysteresis 1 it never
             # changes a decision, but the state then matches mpfunc's bit for bit).
             refill = finite & (self._growth_tracker == 0)
