@@ -6,7 +6,7 @@ inf check reduced over the process groups you name.
 """
 
 from mpfunc_torch._src.loss_scale import LossScaler
-from mpfunc_torch._src.model import AmpCriterion, AmpModel
+from mpfunc_torch._src.model import AmpCriterion, AmpModel, is_norm_module
 from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
 from mpfunc_torch._src.optimizer import AmpOptimizer
 
@@ -19,4 +19,5 @@ __all__ = [
     "AmpOptimizer",
     "LossScaler",
     "convert_to_amp",
+    "is_norm_module",
 ]

@@ -12,7 +12,16 @@ from torch import nn
 from _mpfunc_common.amp_config import resolve_amp
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.master_weights import keep_half_masters, make_masters
-from mpfunc_torch._src.model import DTYPES, HALF, AmpCriterion, AmpModel, cast_model
+from mpfunc_torch._src.model import (
+    DTYPES,
+    HALF,
+    AmpCriterion,
+    AmpModel,
+    cast_model,
+    is_norm_module,
+    refuse_converted_model,
+    refuse_data_parallel_wrapper,
+)
 from mpfunc_torch._src.optimizer import AmpOptimizer
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
@@ -71,6 +80,7 @@ def convert_to_amp(
     *,
     process_group: Any = None,
     device: str | None = None,
+    is_norm: Callable[[str, nn.Module], bool] | None = None,
     **config: Any,
 ) -> tuple[AmpModel, AmpOptimizer, AmpCriterion | None]:
     """Converts a model, its optimizer and its loss to mixed precision.
@@ -115,6 +125,10 @@ def convert_to_amp(
         skip or step together. None: no reduction (with plain DDP the gradients are
         already identical on every rank).
       device: ``"cpu"`` or ``"cuda"`` to assert where the model runs; None = its params'.
+      is_norm: ``(qualified_name, module) -> bool`` choosing the normalisation layers
+        that stay float32 where the mode keeps norms in float32 (apex O2,
+        ``keep_batchnorm_fp32=True``); default `is_norm_module` (torch's norms and
+        classes named ``*Norm``, such as HuggingFace's ``LlamaRMSNorm``).
       **config: the mode's keys (above).
 
     Returns:
@@ -146,6 +160,17 @@ def convert_to_amp(
     if not optimizers:
         raise ValueError("`optimizer` is an empty list.")
     plan = resolve_amp(mode, config)
+    refuse_converted_model(model)
+    if is_norm is not None:
+        if not callable(is_norm):
+            raise TypeError("`is_norm` must be a callable (name, module) -> bool, got "
+                            f"{type(is_norm).__name__}.")
+        if not (plan.enabled and plan.keep_norm_fp32):
+            raise ValueError(
+                "`is_norm` chooses the layers that stay float32, but this mode keeps no "
+                f"layer in float32 ({plan.describe()}); it applies to apex O2 or "
+                "keep_batchnorm_fp32=True. Remove it, or choose such a mode."
+            )
     if len(optimizers) > 1 and plan.num_losses > 1:
         raise ValueError("`num_losses > 1` with several optimizers is not supported; use "
                          "one optimizer with per-loss scales, or one shared scale.")
@@ -168,12 +193,14 @@ def convert_to_amp(
     masters: dict[int, torch.Tensor] | None = None
     if plan.enabled and plan.cast_model_type is not None:
         target = DTYPES[plan.cast_model_type]
+        if target in HALF:
+            refuse_data_parallel_wrapper(model, plan)
         if plan.master_weights:
             if any(len(opt.state) > 0 for opt in optimizers):
                 raise ValueError("`optimizer` already has state; convert it to master "
                                  "weights before its first step.")
             masters = make_masters(optimizers)
-        cast_model(model, target, plan.keep_norm_fp32)
+        cast_model(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
         if masters is not None:
             masters = keep_half_masters(masters, optimizers)
     _refuse_broken_fused_sgd(optimizers, masters)
