@@ -297,15 +297,23 @@ def refuse_data_parallel_wrapper(model: nn.Module, plan: AmpPlan) -> None:
     wrappers = _data_parallel_types()
     mode = plan.mode + (f" {plan.opt_level}" if plan.opt_level else "")
     for name, module in model.named_modules():
-        if wrappers and isinstance(module, wrappers):
-            where = f"`model.{name}`" if name else "`model`"
+        if not (wrappers and isinstance(module, wrappers)):
+            continue
+        where = f"`model.{name}`" if name else "`model`"
+        problem = (f"{where} is a {type(module).__name__}, and mode {mode!r} would cast its "
+                   f"params to {plan.cast_model_type} after it registered its gradient hooks")
+        if "DistributedDataParallel" in type(module).__name__:
             raise ValueError(
-                f"{where} is a {type(module).__name__}, and mode {mode!r} would cast the "
-                f"params to {plan.cast_model_type} after it registered its gradient hooks, "
-                "which silently stops gradient averaging. Convert first, then wrap: "
-                "`model, optimizer, criterion = convert_to_amp(net, optimizer, criterion, "
-                "...)`, then `model = DistributedDataParallel(model)`."
+                f"{problem}, which silently stops gradient averaging. Convert first, then "
+                "wrap: `model, optimizer, criterion = convert_to_amp(net, optimizer, "
+                "criterion, ...)`, then `model = DistributedDataParallel(model)`."
             )
+        raise ValueError(
+            f"{problem} and sharded them. FSDP keeps its own dtypes: give it a "
+            "MixedPrecisionPolicy (fully_shard(..., mp_policy=...)) or "
+            "FSDP(mixed_precision=...), or use a mode that keeps float32 params (torch, "
+            "bf16, apex O1)."
+        )
 
 
 def refuse_converted_model(model: nn.Module) -> None:
