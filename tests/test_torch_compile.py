@@ -111,3 +111,24 @@ def test_o1_calls_a_compiled_submodule_inside_its_fp32_mode():
     losses = run(model, opt, crit, batches(2, batch=8))
     assert all(l == l for l in losses)  # noqa: E741 - finite (not NaN)
     assert seen == {"fc1": torch.float16, "norm": torch.float32, "fc2": torch.float16}
+
+
+def test_o1_compiles_a_huggingface_llama_in_one_graph():
+    # The model from the report: a real transformer, apex O1, fullgraph.
+    hf = pytest.importorskip("test_hf_transformers")
+    data = [hf.data("llama")] * 2
+    losses = {}
+    for compiled in (False, True):
+        net = hf.build("llama")
+        model, opt, _ = hf.convert(net, "apex", {"opt_level": "O1", "verbosity": 0})
+        counter = CompileCounterWithBackend("aot_eager")
+        run_model = torch.compile(model, backend=counter, fullgraph=True) if compiled else model
+        losses[compiled] = []
+        for x, y in data:
+            opt.zero_grad()
+            out = run_model(input_ids=x, labels=y)
+            opt.backward(out.loss)
+            opt.step()
+            losses[compiled].append(out.loss.item())
+    assert counter.frame_count == 1 and type(out).__name__ == "CausalLMOutputWithPast"
+    torch.testing.assert_close(losses[True], losses[False], rtol=2e-2, atol=2e-2)

@@ -137,6 +137,17 @@ def test_a_deep_copy_of_a_converted_module_is_independent():
     assert twin(x)[0].logits.dtype == torch.float32  # and is still converted
 
 
+def test_a_converted_model_pickles_whole(tmp_path):
+    net = TupleNet()
+    model, _, _ = mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                              mode="naive")
+    torch.save(model, tmp_path / "model.pt")
+    again = torch.load(tmp_path / "model.pt", weights_only=False)
+    x = torch.randn(2, 4)
+    assert again.lin.weight.dtype == torch.float16
+    assert torch.equal(again(x)[0].logits, model(x)[0].logits)  # still converted
+
+
 def test_converting_twice_is_an_error():
     net = make_model()
     model, _, _ = mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1))

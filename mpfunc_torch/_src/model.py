@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +36,6 @@ __all__ = [
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 HALF = (torch.float16, torch.bfloat16)
-_ATTR = "_mpfunc_amp"  # where a converted module keeps its `_Precision`
 
 
 def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -62,11 +60,16 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(leaf, tree)
 
 
-class _Precision:
-    """What a converted module's forward does around the original one."""
+class _AmpForward:
+    """A converted module's ``forward``: the original one, in the mode's precision.
 
-    def __init__(self, plan: AmpPlan, device_type: str, forward: Callable):
-        self.forward = forward  # the module's forward before conversion (bound)
+    A plain object rather than a bound method, so the module still pickles
+    (``torch.save(model)``) and deep-copies with it.
+    """
+
+    def __init__(self, module: nn.Module, plan: AmpPlan, device_type: str):
+        self.module = module
+        self.original = vars(module).get("forward")  # an instance-level forward, if any
         self.device_type = device_type
         half_model = plan.cast_model_type in ("float16", "bfloat16")
         self.input_dtype = DTYPES[plan.cast_model_type] if half_model else None
@@ -82,25 +85,27 @@ class _Precision:
             or plan.autocast_dtype
         )
 
+    def _run(self, args, kwargs):
+        if self.original is not None:
+            return self.original(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
-def _amp_forward(self: nn.Module, *args, **kwargs):
-    """The forward of a converted module (bound to it with ``MethodType``)."""
-    p = getattr(self, _ATTR)
-    if p.input_dtype is not None:
-        args, kwargs = cast_floats((args, kwargs), p.input_dtype)
-    # Plain nested `with` statements: dynamo traces them into one graph.
-    if p.autocast_dtype is None:
-        out = p.forward(*args, **kwargs)
-    elif p.fp32_functions:
-        with torch.autocast(p.device_type, dtype=p.autocast_dtype), \
-                Fp32Functions(p.device_type):
-            out = p.forward(*args, **kwargs)
-    else:
-        with torch.autocast(p.device_type, dtype=p.autocast_dtype):
-            out = p.forward(*args, **kwargs)
-    if p.output_dtype is not None:
-        out = cast_floats(out, p.output_dtype)
-    return out
+    def __call__(self, *args, **kwargs):
+        if self.input_dtype is not None:
+            args, kwargs = cast_floats((args, kwargs), self.input_dtype)
+        # Plain nested `with` statements: dynamo traces them into one graph.
+        if self.autocast_dtype is None:
+            out = self._run(args, kwargs)
+        elif self.fp32_functions:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype), \
+                    Fp32Functions(self.device_type):
+                out = self._run(args, kwargs)
+        else:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype):
+                out = self._run(args, kwargs)
+        if self.output_dtype is not None:
+            out = cast_floats(out, self.output_dtype)
+        return out
 
 
 def _uncompiled(module: nn.Module) -> nn.Module:
@@ -142,10 +147,9 @@ class AmpModel(nn.Module):
         super().__init__()
         self.module = module
         self.amp_plan = plan
-        if _Precision.needed(plan):
+        if _AmpForward.needed(plan):
             target = _uncompiled(module)
-            object.__setattr__(target, _ATTR, _Precision(plan, device_type, target.forward))
-            target.forward = types.MethodType(_amp_forward, target)
+            target.forward = _AmpForward(target, plan, device_type)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -319,7 +323,8 @@ def refuse_data_parallel_wrapper(model: nn.Module, plan: AmpPlan) -> None:
 def refuse_converted_model(model: nn.Module) -> None:
     """A model converted twice would cast and autocast twice; say so instead."""
     for name, module in model.named_modules():
-        if isinstance(module, AmpModel) or _ATTR in vars(module):
+        if isinstance(module, AmpModel) or isinstance(vars(module).get("forward"),
+                                                       _AmpForward):
             where = f"`model.{name}`" if name else "`model`"
             raise ValueError(
                 f"{where} was already converted by convert_to_amp; pass the original "
