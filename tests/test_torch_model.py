@@ -250,3 +250,58 @@ def test_is_norm_errors():
         mpfunc_torch.convert_to_amp(net, opt, mode="apex", opt_level="O2", verbosity=0,
                                     is_norm="LayerNorm")
     assert net.fc.weight.dtype == torch.float32  # refused before anything was cast
+
+
+@pytest.mark.parametrize("mode, cfg", [("naive", {"initial_scale": 2.0**8}),
+                                       ("apex", {"opt_level": "O2", "verbosity": 0})])
+def test_loading_into_the_converted_model_reaches_the_master_weights(mode, cfg):
+    # A checkpoint loaded after conversion must survive the next step: the step writes
+    # the masters into the params, so stale masters would silently undo the load.
+    net, other = make_model(seed=0), make_model(seed=1)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.0), torch.nn.CrossEntropyLoss(),
+        mode=mode, **cfg)
+    model.load_state_dict(other.state_dict())
+    x, y = batches(1, batch=8)[0]
+    opt.zero_grad()
+    opt.backward(crit(model(x), y))
+    assert opt.step()  # lr=0: a real step that must not move anything
+    for (name, p), q in zip(net.named_parameters(), other.parameters()):
+        torch.testing.assert_close(p.float(), q.to(p.dtype).float(), rtol=0, atol=0,
+                                   msg=name)
+    src, checked = dict(other.named_parameters()), 0
+    for name, p in net.named_parameters():
+        m = model._amp_masters.get(id(p))
+        if m is not None:  # the master holds the checkpoint's float32 values exactly
+            assert m.dtype == torch.float32 and torch.equal(m, src[name].detach()), name
+            checked += 1
+    assert checked >= 4  # embed, fc1 and fc2 weights and biases are half with masters
+    with pytest.raises(ValueError, match="`assign=True` would replace"):
+        model.load_state_dict(other.state_dict(), assign=True)
+
+
+def test_loading_the_optimizer_then_the_model_keeps_exact_masters():
+    # The model's checkpoint holds half params, the optimizer's the float32 masters; in
+    # either order the masters end exact (a half value the master rounds to keeps it).
+    def trained():
+        net = make_model()
+        model, opt, crit = mpfunc_torch.convert_to_amp(
+            net, torch.optim.Adam(net.parameters(), lr=1e-2), torch.nn.CrossEntropyLoss(),
+            mode="naive", initial_scale=2.0**8)
+        return model, opt, crit
+
+    model, opt, crit = trained()
+    for x, y in batches(3, batch=8):
+        opt.zero_grad()
+        opt.backward(crit(model(x), y))
+        opt.step()
+    want = {k: m.detach().clone() for k, m in model._amp_masters.items()}
+    by_name = {n: want[id(p)] for n, p in model.module.named_parameters() if id(p) in want}
+    for first in ("opt", "model"):
+        model2, opt2, _ = trained()
+        loads = [(opt2, opt.state_dict()), (model2, model.state_dict())]
+        for target, state in (loads if first == "opt" else loads[::-1]):
+            target.load_state_dict(state)
+        for n, p in model2.module.named_parameters():
+            if id(p) in model2._amp_masters:
+                assert torch.equal(model2._amp_masters[id(p)], by_name[n]), (first, n)

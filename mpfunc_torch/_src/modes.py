@@ -206,7 +206,7 @@ def convert_to_amp(
     _refuse_broken_fused_sgd(optimizers, masters)
     if plan.verbose:
         print(f"mpfunc_torch.convert_to_amp: {plan.describe()}")
-    amp_model = AmpModel(model, plan, dev.type)
+    amp_model = AmpModel(model, plan, dev.type, masters=masters)
     first = AmpOptimizer(optimizers[0], plan, device=dev, masters=masters,
                          process_groups=groups)
     shared = first._shared
