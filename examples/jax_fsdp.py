@@ -233,7 +233,7 @@ def main():
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind} "
           f"({jax.default_backend()}); model: char-level MLP LM, context {CONTEXT}")
     modes = ([("naive", {"initial_scale": 2.0**12})] if ARGS.quick else
-             [("torch", {}), ("apex", {"opt_level": "O2"}),
+             [("torch", {}), ("apex", {"opt_level": "O2", "verbosity": 0}),
               ("naive", {"initial_scale": 2.0**12}), ("bf16", {})])
     print("\nFSDP under jit: every leaf split along its first dimension over 'data'; the "
           "finite check has no axis_name")
