@@ -281,3 +281,55 @@ def test_dp_tp_training_with_clipping_equals_one_device():
     for k in ref_params:
         np.testing.assert_allclose(np.asarray(params[k]), np.asarray(ref_params[k]),
                                    rtol=1e-5, atol=1e-6)
+
+
+ALL_MODES = [("torch", {}), ("torch", {"dtype": "bfloat16"}), ("bf16", {}),
+             ("naive", {"initial_scale": 2.0**12}), ("apex", {"opt_level": "O0"}),
+             ("apex", {"opt_level": "O1"}), ("apex", {"opt_level": "O2"}),
+             ("apex", {"opt_level": "O3"})]
+
+
+@pytest.mark.parametrize("mode, cfg", ALL_MODES, ids=["torch", "torch-bf16", "bf16", "naive",
+                                                      "O0", "O1", "O2", "O3"])
+def test_every_mode_under_shard_map_dp_tp_with_global_clipping(mode, cfg):
+    # convert_to_amp inside shard_map: the model's own psum under autocast or half
+    # params, axis-aware clipping inside the scale link, and an inf in one model column's
+    # w1 gradient shard (4 of 8 devices) on step 1: all 8 skip, nothing changes.
+    mesh, axes = mesh_2d(), ("data", "model")
+    inner = optax.chain(mpfunc.clip_by_global_norm(MAX_NORM, axis_name=axes),
+                        lenient(optax.adam(1e-2)))
+    amp = mpfunc.convert_to_amp(sharded_forward, inner, mode=mode, axis_name=axes, **cfg)
+    params = place(amp.cast_params(init_params()), mesh)
+    state_specs = mpfunc.state_sharding(amp.optimizer, SPECS)
+    state = jax.jit(jax.shard_map(amp.optimizer.init, mesh=mesh, in_specs=(SPECS,),
+                                  out_specs=state_specs))(params)
+
+    def step(params, state, x, y, poison):
+        def loss_fn(p):
+            loss = jnp.mean(jnp.square(amp.apply_fn(p, x) - y))
+            loss = jax.lax.pmean(loss, "data")
+            return mpfunc.scale_loss(loss, state), loss
+
+        g, loss = jax.grad(loss_fn, has_aux=True)(params)
+        col = jax.lax.axis_index("model")
+        g["w1"] = jnp.where(poison == col, g["w1"].at[0, 0].set(jnp.inf), g["w1"])
+        u, state = amp.optimizer.update(g, state, params)
+        decision = jnp.broadcast_to(state.last_finite, (1, 1))
+        return optax.apply_updates(params, u), state, loss, decision
+
+    step = jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=(SPECS, state_specs, P("data"), P("data"), P()),
+        out_specs=(SPECS, state_specs, P(), P("data", "model"))))
+    losses = []
+    for i, (x, y) in enumerate(data(3)):
+        before = jax.device_get((params, state.inner_state))
+        params, state, loss, decision = step(params, state, x, y, jnp.int32(1 if i == 1 else -1))
+        losses.append(float(loss))
+        after = jax.device_get((params, state.inner_state))
+        same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after),
+                                                         jax.tree.leaves(before)))
+        if i == 1:
+            assert not np.asarray(decision).any() and same, "a device stepped on the overflow"
+        else:
+            assert np.asarray(decision).all() and not same
+    assert np.isfinite(losses).all() and int(state.skipped_steps) == 1

@@ -167,6 +167,32 @@ def test_fsdp_state_follows_params_trains_like_one_device_and_skips_together(mod
     np.testing.assert_allclose(l8, l1, rtol=2e-3 if half else 1e-5)
 
 
+OTHER_MODES = [("torch", {"dtype": "bfloat16"}), ("bf16", {}), ("apex", {"opt_level": "O0"}),
+               ("apex", {"opt_level": "O1"}), ("apex", {"opt_level": "O3"})]
+
+
+@pytest.mark.parametrize("mode, cfg", OTHER_MODES, ids=["torch-bf16", "bf16", "O0", "O1", "O3"])
+def test_every_other_mode_keeps_state_sharded_and_skips_together(mode, cfg):
+    # The remaining modes, on 8 devices only: a clean step, then one with an inf in one
+    # device's gradient shard.
+    mesh, amp, params, state, shardings = setup(mode, cfg, 8)
+    step = jax.jit(make_step(amp), donate_argnums=(0, 1))
+    (x, y), (x2, y2) = batches(2)
+    poison = np.zeros((D, H), np.float32)
+    params, state, _ = step(params, state, *place((x, y), mesh), place(poison, mesh))
+    assert bool(state.last_finite)
+    poison[5 * (D // 8), 0] = np.inf
+    before = jax.tree.map(shards, (params, state.inner_state))
+    params, state, _ = step(params, state, *place((x2, y2), mesh), place(poison, mesh))
+    assert not any(bool(v) for v in shards(state.last_finite))
+    after = jax.tree.map(shards, (params, state.inner_state))
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+        assert leaf.ndim == 0 or not leaf.sharding.is_fully_replicated
+
+
 def test_master_weight_bytes_per_device_shrink_with_mesh_size():
     per_device, args = {}, {}
     for n in (1, 2, 4, 8):
