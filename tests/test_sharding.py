@@ -96,8 +96,9 @@ IDS = ["torch", "naive", "apex-O2"]
 
 
 def test_jit_init_alone_leaves_adam_moments_replicated():
-    # Why `state_sharding` exists: propagation shards the master weights (a cast of the
-    # params) but not Adam's zeros_like moments, a full fp32 copy on every device.
+    # Why `state_sharding` exists: with Auto mesh axes, propagation shards the master
+    # weights (a cast of the params) but not Adam's zeros_like moments, a full fp32 copy
+    # on every device.
     mesh = fsdp_mesh(8)
     params = jax.tree.map(lambda a: a.astype(jnp.float16), place(init_params(), mesh))
     opt = mpfunc.dynamic_scale(mpfunc.master_weights(adam(1e-2)))
@@ -165,6 +166,39 @@ def test_fsdp_state_follows_params_trains_like_one_device_and_skips_together(mod
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    atol=2e-3 if half else 1e-5, rtol=0)
     np.testing.assert_allclose(l8, l1, rtol=2e-3 if half else 1e-5)
+
+
+def test_explicit_mesh_axes_sharding_in_types():
+    # jax.make_mesh's default in jax 0.10: Explicit axes, shardings are part of the types.
+    # zeros_like then keeps the sharding, so even a plain jit(init) is sharded; the model
+    # gathers its weights itself (reshard), and the skip still needs no axis_name.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    rep = NamedSharding(mesh, P())
+
+    def gathered_apply(p, x):
+        return apply(jax.tree.map(lambda a: jax.sharding.reshard(a, rep), p), x)
+
+    amp = mpfunc.convert_to_amp(gathered_apply, lenient(optax.adam(1e-2)), mode="naive",
+                                initial_scale=2.0**12)
+    params = amp.cast_params(jax.device_put(init_params(), NamedSharding(mesh, P("data"))))
+    state = jax.jit(amp.optimizer.init)(params)
+    want = mpfunc.state_sharding(amp.optimizer, params)
+    for leaf, w in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+        assert leaf.sharding.is_equivalent_to(w, leaf.ndim)
+    step = jax.jit(make_step(amp))
+    (x, y), (x2, y2) = batches(2)
+    split = NamedSharding(mesh, P("data"))
+    poison = np.zeros((D, H), np.float32)
+    params, state, _ = step(params, state, *jax.device_put((x, y, poison), split))
+    poison[5 * (D // 8), 0] = np.inf
+    before = jax.tree.map(shards, (params, state.inner_state))
+    params, state, _ = step(params, state, *jax.device_put((x2, y2, poison), split))
+    assert not any(bool(v) for v in shards(state.last_finite))
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(
+            shards, (params, state.inner_state)))):
+        np.testing.assert_array_equal(a, b)
+    for leaf, w in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+        assert leaf.sharding.is_equivalent_to(w, leaf.ndim)
 
 
 OTHER_MODES = [("torch", {"dtype": "bfloat16"}), ("bf16", {}), ("apex", {"opt_level": "O0"}),
