@@ -314,3 +314,19 @@ def test_fsdp_across_two_processes_skips_together_and_matches_one_process():
     for k, v in r0["params"].items():
         np.testing.assert_allclose(np.asarray(v, np.float32),
                                    np.asarray(ref_params[k], np.float32), atol=2e-3, rtol=0)
+
+
+def test_state_sharding_for_factored_state_and_bad_input():
+    mesh = fsdp_mesh(8)
+    params = place({"w": np.ones((16, 8), np.float32)}, mesh)
+    opt = mpfunc.dynamic_scale(optax.adafactor(1e-2, min_dim_size_to_factor=4))
+    shardings = mpfunc.state_sharding(opt, params)
+    state = jax.jit(opt.init, out_shardings=shardings)(params)
+    factored = state.inner_state[0]
+    # Row/column statistics sit where a parameter tree would but have other shapes.
+    for stat in (factored.v_row["w"], factored.v_col["w"]):
+        assert stat.ndim == 1 and stat.sharding.is_fully_replicated
+    with pytest.raises(TypeError, match="`params` leaves must be jax Arrays"):
+        mpfunc.state_sharding(opt, {"w": np.ones((16, 8), np.float32)})
+    with pytest.raises(TypeError, match="`params` leaves must be all of one kind"):
+        mpfunc.state_sharding(opt, {"w": params["w"], "v": P()})
