@@ -11,6 +11,7 @@ from _mpfunc_common.mixed_precision import (
     FP16TorchMixedPrecision,
 )
 from mpfunc._src.autocast import AutocastLists, autocast
+from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
 from mpfunc._src.loss_scale import (
     LossScaleState,
@@ -26,6 +27,7 @@ from mpfunc._src.loss_scale import (
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
 from mpfunc._src.policy import Policy, cast_floating, get_policy
+from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"
 
@@ -44,9 +46,11 @@ __all__ = [
     "autocast",
     "cast_floating",
     "chain",
+    "clip_by_global_norm",
     "convert_to_amp",
     "dynamic_scale",
     "get_policy",
+    "global_norm",
     "is_norm_param",
     "linen_policy",
     "loss_scale",
@@ -56,5 +60,6 @@ __all__ = [
     "norm_classes",
     "scale_loss",
     "scale_metrics",
+    "state_sharding",
     "static_scale",
 ]
