@@ -115,7 +115,7 @@ def test_attributes_and_methods_reach_the_wrapped_module():
     assert net.scale == 3.0 and "scale" not in vars(model)
     model.note = "mine"  # neither has it: the wrapper's own
     assert model.note == "mine" and not hasattr(net, "note")
-    assert "twice" in dir(model) and "amp_plan" in dir(model)
+    assert "twice" in dir(model) and "plan" in dir(model)
     # The module's own methods run its converted forward: half params, cast inputs,
     # float32 outputs.
     assert model.twice(torch.randn(2, 4)).dtype == torch.float32

@@ -147,7 +147,7 @@ class AmpModel(nn.Module):
                  masters: dict[int, torch.Tensor] | None = None):
         super().__init__()
         self.module = module
-        self.amp_plan = plan
+        self.plan = plan
         self._amp_masters = dict(masters or {})  # id(half param) -> its float32 master
         if _AmpForward.needed(plan):
             target = _uncompiled(module)
