@@ -4,7 +4,14 @@ Precision policies, op-level autocast, loss scaling as optax transformations, ma
 weights, and the torch / apex-like / naive / bf16 AMP modes.
 """
 
+from _mpfunc_common.mixed_precision import (
+    BF16MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
+)
 from mpfunc._src.autocast import AutocastLists, autocast
+from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
 from mpfunc._src.loss_scale import (
     LossScaleState,
@@ -20,12 +27,17 @@ from mpfunc._src.loss_scale import (
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
 from mpfunc._src.policy import Policy, cast_floating, get_policy
+from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AmpSetup",
     "AutocastLists",
+    "BF16MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",
@@ -34,9 +46,11 @@ __all__ = [
     "autocast",
     "cast_floating",
     "chain",
+    "clip_by_global_norm",
     "convert_to_amp",
     "dynamic_scale",
     "get_policy",
+    "global_norm",
     "is_norm_param",
     "linen_policy",
     "loss_scale",
@@ -46,5 +60,6 @@ __all__ = [
     "norm_classes",
     "scale_loss",
     "scale_metrics",
+    "state_sharding",
     "static_scale",
 ]
