@@ -67,11 +67,17 @@ def test_torch_mode_trajectory_matches_gradscaler_end_to_end(fused):
     assert scales == [float(s) for s in torch_gradscaler(seq, interval=3)]
 
 
-def test_fused_path_never_syncs_with_host(monkeypatch):
+@pytest.mark.parametrize("mode, cfg", [
+    ("torch", {}),
+    # a floor below 1: the extra check after unscaling stays on the device too
+    ("apex", {"opt_level": "O1", "min_loss_scale": 2.0**-8, "verbosity": 0}),
+    ("naive", {"initial_scale": 2.0**10, "min_scale": 0.5}),
+], ids=["torch", "apex-O1-below-one", "naive-below-one"])
+def test_fused_path_never_syncs_with_host(monkeypatch, mode, cfg):
     net = make_model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
     model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(),
-                                                   mode="torch")
+                                                   mode=mode, **cfg)
     x, y = batches(1)[0]
     opt.backward(crit(model(x), y))
 
@@ -84,6 +90,7 @@ def test_fused_path_never_syncs_with_host(monkeypatch):
         m.setattr(torch.Tensor, "tolist", boom)
         stepped = opt.step()
     assert bool(stepped)
+
 
 class TestSeedPatterns:
     def test_clipping_with_unscale(self):
