@@ -31,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 import textwrap
+import types
 from pathlib import Path
 
 import jax
@@ -133,6 +135,14 @@ BLOCKS = parse(README.read_text())
 _state: dict = {"namespace": None, "last": -1}
 
 
+def _new_namespace() -> dict:
+    # A real module, so code that looks its module up (pickle, dataclasses with string
+    # annotations) finds the README's namespace.
+    module = types.ModuleType("__readme__")
+    sys.modules["__readme__"] = module
+    return module.__dict__
+
+
 def _run(block: Block, namespace: dict) -> None:
     filename = f"README.md:{block.line}"
     # Fences start at line block.line, so line N of the code is README line block.line + N.
@@ -159,7 +169,7 @@ def _namespace_before(index: int) -> tuple[dict, list[str]]:
     start = index
     while start > 0 and not BLOCKS[start].fresh:
         start -= 1
-    namespace, failed = {"__name__": "__readme__"}, []
+    namespace, failed = _new_namespace(), []
     for block in BLOCKS[start:index]:
         if block.skip is None:
             try:
@@ -174,7 +184,7 @@ def test_readme_block(block):
     if block.skip is not None:
         pytest.skip(block.skip)
     if block.fresh:
-        namespace, failed = {"__name__": "__readme__"}, []
+        namespace, failed = _new_namespace(), []
     else:
         namespace, failed = _namespace_before(block.index)
     _state["namespace"], _state["last"] = None, -1
@@ -221,6 +231,18 @@ def test_directives_are_parsed_and_checked():
 def test_a_failing_block_fails_with_its_readme_line():
     (block,) = parse("# T\n\n```python\nx = 1\nraise RuntimeError('boom')\n```\n")
     with pytest.raises(RuntimeError, match="boom") as info:
-        _run(block, {})
+        _run(block, _new_namespace())
     frames = [f for f in info.traceback if str(f.path).startswith("README.md")]
     assert frames and frames[-1].lineno + 1 == 5  # README line 5 (pytest's lineno is 0-based)
+
+
+def test_blocks_run_as_a_module_a_reader_could_pickle_from():
+    first, second = parse("\n".join([
+        "```python", "from __future__ import annotations", "import dataclasses, pickle", "",
+        "@dataclasses.dataclass", "class Point:", "    x: int", "```",
+        "```python", "assert pickle.loads(pickle.dumps(Point(3))) == Point(3)", "```",
+    ]))
+    namespace = _new_namespace()
+    _run(first, namespace)
+    _run(second, namespace)  # the second block continues the first one's namespace
+    assert namespace["Point"].__module__ == "__readme__"
