@@ -15,7 +15,14 @@ except ModuleNotFoundError as _error:
 
     raise missing_extra_error("mpfunc (the JAX package)", "jax", _error) from _error
 
+from _mpfunc_common.mixed_precision import (
+    BF16MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
+)
 from mpfunc._src.autocast import AutocastLists, autocast
+from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
 from mpfunc._src.loss_scale import (
     LossScaleState,
@@ -31,12 +38,17 @@ from mpfunc._src.loss_scale import (
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
 from mpfunc._src.policy import Policy, cast_floating, get_policy
+from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AmpSetup",
     "AutocastLists",
+    "BF16MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",
@@ -45,9 +57,11 @@ __all__ = [
     "autocast",
     "cast_floating",
     "chain",
+    "clip_by_global_norm",
     "convert_to_amp",
     "dynamic_scale",
     "get_policy",
+    "global_norm",
     "is_norm_param",
     "linen_policy",
     "loss_scale",
@@ -57,5 +71,6 @@ __all__ = [
     "norm_classes",
     "scale_loss",
     "scale_metrics",
+    "state_sharding",
     "static_scale",
 ]
