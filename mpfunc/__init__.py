@@ -2,7 +2,18 @@
 
 Precision policies, op-level autocast, loss scaling as optax transformations, master
 weights, and the torch / apex-like / naive / bf16 AMP modes.
+
+Needs the `jax` extra (``pip install 'mpfunc[jax]'``); the flax helpers (`linen_policy`,
+`nnx_apply_policy`, `norm_classes`) need the `flax` extra, imported only when called.
 """
+
+try:  # a missing framework names the extra to install, not a bare "No module named"
+    import jax  # noqa: F401
+    import optax  # noqa: F401
+except ModuleNotFoundError as _error:
+    from _mpfunc_common.extras import missing_extra_error
+
+    raise missing_extra_error("mpfunc (the JAX package)", "jax", _error) from _error
 
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from _mpfunc_common.extras import require_extra
 from mpfunc._src.policy import Policy, cast_floating, get_policy
 
 __all__ = ["LinenPolicy", "linen_policy", "nnx_apply_policy", "norm_classes"]
@@ -25,6 +26,7 @@ __all__ = ["LinenPolicy", "linen_policy", "nnx_apply_policy", "norm_classes"]
 
 def norm_classes(framework: str = "linen") -> tuple[type, ...]:
     """flax's normalisation layer classes (``"linen"`` or ``"nnx"``), for ``per_class``."""
+    require_extra("mpfunc.norm_classes", "flax", ("flax",))
     if framework == "linen":
         from flax import linen as mod
     elif framework == "nnx":
@@ -56,6 +58,7 @@ class LinenPolicy:
     """A Linen module with a per-class precision policy. Made by `linen_policy`."""
 
     def __init__(self, module, policy, per_class):
+        require_extra("mpfunc.linen_policy", "flax", ("flax",))
         from flax import linen as nn
 
         if not isinstance(module, nn.Module):
@@ -186,6 +189,7 @@ def nnx_apply_policy(model, policy: str | Policy = "mixed_f16",
       >>> m.layers[0].kernel[...].dtype, m.layers[1].scale[...].dtype
       (dtype(bfloat16), dtype('float32'))
     """
+    require_extra("mpfunc.nnx_apply_policy", "flax", ("flax",))
     from flax import nnx
 
     if not isinstance(model, nnx.Module):
