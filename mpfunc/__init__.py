@@ -19,7 +19,14 @@ from mpfunc._src.loss_scale import (
 )
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
-from mpfunc._src.policy import Policy, cast_floating, get_policy
+from mpfunc._src.policy import (
+    Policy,
+    cast_floating,
+    cast_to_full,
+    cast_to_half,
+    get_policy,
+    half_dtype,
+)
 
 __version__ = "0.1.0"
 
@@ -33,10 +40,13 @@ __all__ = [
     "all_finite",
     "autocast",
     "cast_floating",
+    "cast_to_full",
+    "cast_to_half",
     "chain",
     "convert_to_amp",
     "dynamic_scale",
     "get_policy",
+    "half_dtype",
     "is_norm_param",
     "linen_policy",
     "loss_scale",
