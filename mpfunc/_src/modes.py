@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
-from mpfunc._src.autocast import autocast
+from mpfunc._src.autocast import autocast, half_model
 from mpfunc._src.loss_scale import _scale_transform
 from mpfunc._src.master_weights import master_weights
 from mpfunc._src.policy import Policy
@@ -93,6 +93,17 @@ def _cast_tree(tree, dtype, keep: Callable | None):
     return jax.tree_util.tree_map_with_path(f, tree)
 
 
+def _check_axis_name(axis_name: Any) -> None:
+    names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
+    if axis_name is None:
+        return
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            "`axis_name` must be None, a mesh axis name (a non-empty str) or a tuple of "
+            f"them, got {type(axis_name).__name__}: {axis_name!r}. Pass the names your "
+            "`shard_map`/`pmap` uses, e.g. axis_name='data' or ('data', 'model').")
+
+
 def convert_to_amp(
     apply_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -153,7 +164,20 @@ def convert_to_amp(
     if not isinstance(optimizer, optax.GradientTransformation | optax.GradientTransformationExtraArgs):
         raise TypeError("`optimizer` must be an optax GradientTransformation, got "
                         f"{type(optimizer).__name__}.")
+    if not callable(is_norm):
+        raise TypeError("`is_norm` must be a callable `(path, leaf) -> bool` marking "
+                        f"normalisation params, got {type(is_norm).__name__}: {is_norm!r}. "
+                        "Use the default `mpfunc.is_norm_param` or e.g. "
+                        "`lambda path, leaf: 'ln' in jax.tree_util.keystr(path)`.")
+    _check_axis_name(axis_name)
     plan = resolve_amp(mode, config)
+    if plan.num_losses != 1:
+        raise ValueError(
+            f"`num_losses={plan.num_losses}`: per-loss scales are not supported on JAX. A "
+            "JAX train step differentiates one scalar with one scale: add the losses "
+            "(`loss = loss_a + loss_b`) and use one `mpfunc.scale_loss`, or build one "
+            "optimizer per loss (`mpfunc.dynamic_scale(...)` each, with its own state). "
+            "Remove `num_losses` (the torch side supports it with `loss_id=`).")
     if plan.verbose:  # apex's verbosity / naive's verbose, as on the torch side
         print(f"mpfunc.convert_to_amp: {plan.describe()}")
     f32 = jnp.float32
@@ -178,6 +202,15 @@ def convert_to_amp(
         inner_apply = autocast(apply_fn, compute_dtype=compute)
 
         def wrapped(params, *args, **kwargs):
+            return policy.cast_to_output(inner_apply(params, *args, **kwargs))
+    elif keep is not None and compute != f32:
+        # O2: a half model with float32 norms. Matmuls stay in the compute dtype and each
+        # norm's output goes back to it (as the torch side's norm hooks do), instead of
+        # float32 norm params promoting everything after them to float32.
+        inner_apply = half_model(apply_fn, compute, keep)
+
+        def wrapped(params, *args, **kwargs):
+            args, kwargs = policy.cast_to_compute((args, kwargs))
             return policy.cast_to_output(inner_apply(params, *args, **kwargs))
     else:
         def wrapped(params, *args, **kwargs):
