@@ -204,7 +204,11 @@ def test_cast_floating_bad_dtype():
 
 # -- jmp's grammar and helpers, checked against jmp itself ----------------------------------
 
-jmp = pytest.importorskip("jmp")
+
+@pytest.fixture(scope="module")
+def jmp():
+    return pytest.importorskip("jmp")
+
 # jmp's "half" is half_dtype() (bfloat16 on TPU); ours is always float16. They agree on
 # CPU/GPU, which is where these tests run; the difference is documented in the README.
 JMP_NAMES = ["f32", "full", "float32", "bf16", "bfloat16", "f16", "float16", "f64", "float64",
@@ -223,7 +227,7 @@ def jmp_specs():
 
 
 @pytest.mark.parametrize("spec", jmp_specs())
-def test_get_policy_agrees_with_jmp(spec):
+def test_get_policy_agrees_with_jmp(spec, jmp):
     if jax.default_backend() == "tpu" and "half" in spec:
         pytest.skip("jmp's 'half' is bfloat16 on TPU; ours is float16")
     ours, theirs = mpfunc.get_policy(spec), jmp.get_policy(spec)
@@ -278,11 +282,11 @@ class TestJmpPolicyTests:
         p = mpfunc.get_policy(f"c={self.NAMES[np.dtype(dtype)]},o=full")
         assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (F32, dtype, F32)
 
-    def test_half_dtype(self):
+    def test_half_dtype(self, jmp):
         expect = BF16 if jax.default_backend() == "tpu" else F16
         assert mpfunc.half_dtype() == expect == np.dtype(jmp.half_dtype())
 
-    def test_cast_to_full(self):
+    def test_cast_to_full(self, jmp):
         half = dict(o=object(), h=jnp.ones([], mpfunc.half_dtype()), f=jnp.ones([]),
                     i=jnp.ones([], jnp.int16))
         full = mpfunc.cast_to_full(half)
@@ -292,7 +296,7 @@ class TestJmpPolicyTests:
         assert jax.tree.map(lambda x: getattr(x, "dtype", None), full) == \
             jax.tree.map(lambda x: getattr(x, "dtype", None), ref)
 
-    def test_cast_to_half(self):
+    def test_cast_to_half(self, jmp):
         dtype = mpfunc.half_dtype()
         full = dict(o=object(), h=jnp.ones([], dtype), f=jnp.ones([]), i=jnp.ones([], jnp.int16))
         half = mpfunc.cast_to_half(full)
