@@ -318,3 +318,41 @@ def test_float64_policy_round_trips():
     p = mpfunc.get_policy("p=f64,c=f32,o=f64")
     assert p.param_dtype == np.dtype(np.float64) and str(p) == "p=f64,c=f32,o=f64"
     assert mpfunc.get_policy(str(p)) == p
+
+
+def readme_jmp_table():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    body = text.split("<!-- jmp-policy-table -->")[1].split("<!-- /jmp-policy-table -->")[0]
+    rows = []
+    for line in body.strip().splitlines()[2:]:  # skip the header and the rule
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        rows.append(tuple(cells))
+    return rows
+
+
+def test_readme_jmp_table_is_complete():
+    names = {jmp_expr.split("(")[0] for jmp_expr, _ in readme_jmp_table()}
+    for name in ("jmp.get_policy", "jmp.Policy", "jmp.half_dtype", "jmp.cast_to_half",
+                 "jmp.cast_to_full"):
+        assert name in names, f"README's coming-from-jmp table lacks {name}"
+
+
+@pytest.mark.parametrize("jmp_expr, ours_expr", readme_jmp_table())
+def test_readme_jmp_table_rows_agree_with_jmp(jmp_expr, ours_expr, jmp):
+    """Each row of README's "coming from jmp" table: both sides run and agree."""
+    tree = {"w": jnp.ones((2, 3)), "h": jnp.ones(2, jnp.float16), "step": jnp.int32(3),
+            "key": jax.random.key(0)}
+    env = {"jmp": jmp, "mpfunc": mpfunc, "jnp": jnp, "tree": tree}
+    theirs, ours = eval(jmp_expr, env), eval(ours_expr, env)  # noqa: S307 - our README
+
+    def norm(x):
+        if hasattr(x, "param_dtype"):  # a policy
+            return tuple(np.dtype(getattr(x, f)) for f in
+                         ("param_dtype", "compute_dtype", "output_dtype"))
+        if isinstance(x, dict):
+            return {k: (str(v.dtype) if hasattr(v, "dtype") else v) for k, v in x.items()}
+        return np.dtype(x)
+
+    assert norm(ours) == norm(theirs)
