@@ -228,7 +228,9 @@ def autocast(
 
     * Matmul-like ops (``HALF_OPS``: ``dot_general``, ``conv_general_dilated``, batched or
       not) run in ``compute_dtype``, accumulating in float32 (``preferred_element_type``)
-      and returning ``compute_dtype``.
+      and returning ``compute_dtype``. A dot algorithm preset in ``fn`` (e.g. the
+      ``F16_F16_F32`` that ``jax.nn.dot_product_attention`` asks for, which XLA:CPU
+      refuses under ``jit``) is replaced by that float32 accumulation.
     * Precision-sensitive ops (``FLOAT32_OPS``: exp/log/log1p/expm1, powers and roots,
       erf/erfc/logistic, and the sums behind means, variances, norms, softmax and
       logsumexp) run in float32.

@@ -134,23 +134,26 @@ def convert_to_amp(
     ``apply_fn(params, *args, **kwargs)`` is wrapped: with autocast modes it runs under
     `mpfunc.autocast`; otherwise floating inputs are cast to the compute dtype. Outputs
     are cast to float32 (JAX has no criterion wrapper; this is its analogue). In O2 the
-    params `is_norm` selects stay float32, and so does their computation where it reads
-    them (half activations meeting float32 norm params promote to float32).
+    params `is_norm` selects stay float32; an op applying one to an activation runs in
+    float32 and returns the compute dtype (a norm's output goes back to half precision,
+    as the torch side's norm hooks do), and matmuls run in the compute dtype with float32
+    accumulation, whatever upcast reached them.
 
     Args:
       apply_fn: ``apply_fn(params, *args, **kwargs)``.
       optimizer: the optax optimizer, e.g. ``optax.adamw(1e-3)``.
       mode: ``"torch"``, ``"apex"``, ``"naive"`` or ``"bf16"``.
       is_norm: ``(path, leaf) -> bool`` marking normalisation params (O2).
-      axis_name: mesh axes for the finite check under ``shard_map``.
+      axis_name: mesh axes for the finite check under ``shard_map`` (a name or a tuple).
       **config: the mode's keys (see ``mpfunc_torch.convert_to_amp``).
 
     Returns:
       An `AmpSetup`.
 
     Raises:
-      ValueError: unknown mode, opt level or key (listing the valid ones), or an
-        inconsistent config.
+      ValueError: unknown mode, opt level or key (listing the valid ones), an
+        inconsistent config, or ``num_losses > 1`` (per-loss scales: torch side only).
+      TypeError: a non-callable ``apply_fn`` or ``is_norm``, a bad ``axis_name``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, mpfunc
