@@ -4,7 +4,14 @@ Precision policies, op-level autocast, loss scaling as optax transformations, ma
 weights, and the torch / apex-like / naive / bf16 AMP modes.
 """
 
+from _mpfunc_common.mixed_precision import (
+    BF16MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
+)
 from mpfunc._src.autocast import AutocastLists, autocast
+from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
 from mpfunc._src.loss_scale import (
     LossScaleState,
@@ -27,12 +34,17 @@ from mpfunc._src.policy import (
     get_policy,
     half_dtype,
 )
+from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AmpSetup",
     "AutocastLists",
+    "BF16MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",
@@ -43,9 +55,11 @@ __all__ = [
     "cast_to_full",
     "cast_to_half",
     "chain",
+    "clip_by_global_norm",
     "convert_to_amp",
     "dynamic_scale",
     "get_policy",
+    "global_norm",
     "half_dtype",
     "is_norm_param",
     "linen_policy",
@@ -56,5 +70,6 @@ __all__ = [
     "norm_classes",
     "scale_loss",
     "scale_metrics",
+    "state_sharding",
     "static_scale",
 ]

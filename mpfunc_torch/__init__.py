@@ -5,14 +5,17 @@ same loss-scale rule and presets as the JAX package (`LossScaler`), exact skips,
 inf check reduced over the process groups you name.
 """
 
-from mpfunc_torch._src.amp import (
-    AMP_TYPE,
-    AmpCriterion,
-    AmpModel,
-    AmpOptimizer,
-    convert_to_amp,
+from _mpfunc_common.mixed_precision import (
+    BF16MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
 )
-from mpfunc_torch._src.scaler import LossScaler
+from mpfunc_torch._src.booster import backward, boost
+from mpfunc_torch._src.loss_scale import LossScaler
+from mpfunc_torch._src.model import AmpCriterion, AmpModel
+from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
+from mpfunc_torch._src.optimizer import AmpOptimizer
 
 __version__ = "0.1.0"
 
@@ -21,6 +24,12 @@ __all__ = [
     "AmpCriterion",
     "AmpModel",
     "AmpOptimizer",
+    "BF16MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "LossScaler",
+    "backward",
+    "boost",
     "convert_to_amp",
 ]

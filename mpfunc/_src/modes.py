@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
+from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc._src.autocast import autocast, half_model
 from mpfunc._src.loss_scale import _scale_transform
 from mpfunc._src.master_weights import master_weights
@@ -107,8 +108,9 @@ def _check_axis_name(axis_name: Any) -> None:
 def convert_to_amp(
     apply_fn: Callable,
     optimizer: optax.GradientTransformation,
-    mode: str = "torch",
+    mode: str | MixedPrecisionConfig | None = None,
     *,
+    mixed_precision: str | MixedPrecisionConfig | None = None,
     is_norm: Callable[[tuple, Any], bool] = is_norm_param,
     axis_name: Any = None,
     **config: Any,
@@ -142,7 +144,12 @@ def convert_to_amp(
     Args:
       apply_fn: ``apply_fn(params, *args, **kwargs)``.
       optimizer: the optax optimizer, e.g. ``optax.adamw(1e-3)``.
-      mode: ``"torch"``, ``"apex"``, ``"naive"`` or ``"bf16"``.
+      mode: ``"torch"``, ``"apex"``, ``"naive"`` or ``"bf16"``; None means ``"torch"``.
+        A Booster name or config object is accepted here too.
+      mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
+        ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, or a config
+        object such as ``mpfunc.FP16NaiveMixedPrecision(hysteresis=3)`` (hashable, so it
+        can be a static ``jit`` argument). Each means exactly the same mode and keys.
       is_norm: ``(path, leaf) -> bool`` marking normalisation params (O2).
       axis_name: mesh axes for the finite check under ``shard_map`` (a name or a tuple).
       **config: the mode's keys (see ``mpfunc_torch.convert_to_amp``).
@@ -173,7 +180,7 @@ def convert_to_amp(
                         "Use the default `mpfunc.is_norm_param` or e.g. "
                         "`lambda path, leaf: 'ln' in jax.tree_util.keystr(path)`.")
     _check_axis_name(axis_name)
-    plan = resolve_amp(mode, config)
+    plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
     if plan.num_losses != 1:
         raise ValueError(
             f"`num_losses={plan.num_losses}`: per-loss scales are not supported on JAX. A "
