@@ -37,7 +37,14 @@ from mpfunc._src.loss_scale import (
 )
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
-from mpfunc._src.policy import Policy, cast_floating, get_policy
+from mpfunc._src.policy import (
+    Policy,
+    cast_floating,
+    cast_to_full,
+    cast_to_half,
+    get_policy,
+    half_dtype,
+)
 from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"
@@ -56,12 +63,15 @@ __all__ = [
     "all_finite",
     "autocast",
     "cast_floating",
+    "cast_to_full",
+    "cast_to_half",
     "chain",
     "clip_by_global_norm",
     "convert_to_amp",
     "dynamic_scale",
     "get_policy",
     "global_norm",
+    "half_dtype",
     "is_norm_param",
     "linen_policy",
     "loss_scale",

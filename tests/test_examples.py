@@ -36,6 +36,8 @@ def test_flax_policies():
     out = run("flax_policies.py")
     assert "LayerNorm scale float32" in out and "Dense kernel float16" in out
     assert "LayerNorm computes in float32" in out
+    assert "Linen: matmuls ['f16 x f16', 'f16 x f16']" in out
+    assert "NNX: matmuls ['bf16 x bf16', 'bf16 x bf16'] | output float32" in out
 
 
 def test_shard_map_parallel():
