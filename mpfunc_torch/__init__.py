@@ -3,7 +3,16 @@
 `convert_to_amp` offers the torch, apex-like (O0-O3), naive and bf16 modes, with the
 same loss-scale rule and presets as the JAX package (`LossScaler`), exact skips, and an
 inf check reduced over the process groups you name.
+
+Needs the `torch` extra (``pip install 'mpfunc[torch]'``); it never imports JAX.
 """
+
+try:  # a missing framework names the extra to install, not a bare "No module named"
+    import torch  # noqa: F401
+except ModuleNotFoundError as _error:
+    from _mpfunc_common.extras import missing_extra_error
+
+    raise missing_extra_error("mpfunc_torch (the PyTorch package)", "torch", _error) from _error
 
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,

@@ -108,8 +108,13 @@ def test_several_groups():
 
 def test_normalize_groups_errors():
     assert normalize_groups(None) == ()
+    # The type is checked first: a string is not "not initialized", it is wrong.
+    for bad in (object(), "foo", ["foo"]):
+        with pytest.raises(TypeError, match="`process_group` must be a torch.distributed"):
+            normalize_groups(bad)
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
     with pytest.raises(RuntimeError, match="not initialized"):
-        normalize_groups(object())
+        normalize_groups(group)
 
 
 DDP_CASES = {

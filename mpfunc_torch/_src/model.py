@@ -143,12 +143,10 @@ class AmpModel(nn.Module):
       (torch.bfloat16, 4)
     """
 
-    def __init__(self, module: nn.Module, plan: AmpPlan, device_type: str,
-                 masters: dict[int, torch.Tensor] | None = None):
+    def __init__(self, module: nn.Module, plan: AmpPlan, device_type: str):
         super().__init__()
         self.module = module
         self.plan = plan
-        self._amp_masters = dict(masters or {})  # id(half param) -> its float32 master
         if _AmpForward.needed(plan):
             target = _uncompiled(module)
             target.forward = _AmpForward(target, plan, device_type)
@@ -188,29 +186,7 @@ class AmpModel(nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Loads into the wrapped module, and into the float32 master weights of its half
-        params, so the next step starts from what was loaded rather than from the
-        masters' old values. A float32 checkpoint value goes into the master exactly; a
-        half one replaces the master only where the master does not round to it already
-        (so loading the optimizer's state first, then the model's, keeps exact masters)."""
-        masters = self._amp_masters
-        if masters and assign:
-            raise ValueError(
-                "`assign=True` would replace the params that the float32 master weights "
-                "belong to; load with assign=False (the default), which copies in place."
-            )
-        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        if masters:
-            with torch.no_grad():
-                for name, p in self.module.named_parameters(remove_duplicate=False):
-                    master = masters.get(id(p))
-                    if master is None or name not in state_dict:
-                        continue
-                    value = state_dict[name].to(master.device)
-                    if value.dtype == p.dtype:
-                        value = torch.where(master.to(p.dtype) == value, master, value.float())
-                    master.copy_(value)
-        return result
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 class AmpCriterion(nn.Module):
