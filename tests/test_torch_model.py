@@ -137,16 +137,10 @@ def test_a_deep_copy_of_a_converted_module_is_independent():
     assert twin(x)[0].logits.dtype == torch.float32  # and is still converted
 
 
-_LOCAL_LOAD_HOOKS = pytest.mark.xfail(
-    strict=True, raises=AttributeError,
-    reason="master_weights.follow_model_loads registers local closures as load_state_dict "
-    "hooks on the model, which pickle cannot save (Can't pickle local object)")
-
-
 @pytest.mark.parametrize("mode, cfg", [
     ("apex", {"opt_level": "O3", "verbosity": 0}),
     ("torch", {}),
-    pytest.param("naive", {}, marks=_LOCAL_LOAD_HOOKS),
+    ("naive", {}),
 ])
 def test_a_converted_model_pickles_whole(mode, cfg, tmp_path):
     net = TupleNet()
@@ -158,6 +152,8 @@ def test_a_converted_model_pickles_whole(mode, cfg, tmp_path):
     assert again.lin.weight.dtype == net.lin.weight.dtype
     out, ref = again(x)[0].logits, model(x)[0].logits
     assert out.dtype == ref.dtype and torch.equal(out, ref)  # still converted
+    again.load_state_dict(model.state_dict())  # its load hooks (naive: masters) still work
+    assert torch.equal(again(x)[0].logits, ref)
 
 
 def test_converting_twice_is_an_error():

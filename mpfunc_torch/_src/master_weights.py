@@ -114,27 +114,38 @@ def follow_model_loads(model: nn.Module, pairs: Pairs) -> list[Any]:
     master_of = {id(p): m for p, m in pairs}
     handles = []
     for module in model.modules():
-        names = [n for n, p in module._parameters.items()
-                 if p is not None and id(p) in master_of]
-        if not names:
+        masters = {n: master_of[id(p)] for n, p in module._parameters.items()
+                   if p is not None and id(p) in master_of}
+        if not masters:
             continue
-        seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def pre(mod, state_dict, prefix, *_, names=names, seen=seen):
-            seen.clear()
-            for n in names:
-                value = state_dict.get(prefix + n)
-                if isinstance(value, torch.Tensor):
-                    seen[n] = (mod._parameters[n], value)
-
-        def post(mod, _incompatible, seen=seen):
-            for n, (param, value) in seen.items():
-                _follow(mod, n, param, value, master_of[id(param)])
-            seen.clear()
-
-        handles.append(module.register_load_state_dict_pre_hook(pre))
-        handles.append(module.register_load_state_dict_post_hook(post))
+        follower = _LoadFollower(masters)
+        handles.append(module.register_load_state_dict_pre_hook(follower.pre))
+        handles.append(module.register_load_state_dict_post_hook(follower.post))
     return handles
+
+
+class _LoadFollower:
+    """The load hooks of one module: a module-level class (not closures), so a converted
+    model still pickles whole (``torch.save(model)``)."""
+
+    def __init__(self, masters: dict[str, torch.Tensor]):
+        self.masters = masters  # param name -> its master
+        self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __getstate__(self):
+        return {"masters": self.masters, "seen": {}}
+
+    def pre(self, mod, state_dict, prefix, *_):
+        self.seen.clear()
+        for n in self.masters:
+            value = state_dict.get(prefix + n)
+            if isinstance(value, torch.Tensor):
+                self.seen[n] = (mod._parameters[n], value)
+
+    def post(self, mod, _incompatible):
+        for n, (param, value) in self.seen.items():
+            _follow(mod, n, param, value, self.masters[n])
+        self.seen.clear()
 
 
 @torch.no_grad()
