@@ -249,7 +249,8 @@ def convert_to_amp(
     ]
     pairs = [pair for opt in amp_opts for pair in opt._pairs]
     if pairs:
-        amp_model._master_hooks = follow_model_loads(model, pairs)
+        versions = {id(p): opt._versions for opt in amp_opts for p, _ in opt._pairs}
+        amp_model._master_hooks = follow_model_loads(model, pairs, versions)
     amp_crit = AmpCriterion(criterion, dev.type) if criterion is not None else None
     out_opt = amp_opts if isinstance(optimizer, list | tuple) else amp_opts[0]
     return amp_model, out_opt, amp_crit
