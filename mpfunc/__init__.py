@@ -4,8 +4,18 @@ Precision policies, op-level autocast, loss scaling as optax transformations, ma
 weights, and the torch / apex-like / naive / bf16 AMP modes.
 """
 
+from _mpfunc_common.fp8 import Fp8Recipe
 from mpfunc._src.autocast import AutocastLists, autocast
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
+from mpfunc._src.fp8 import (
+    Fp8DotState,
+    Fp8Meta,
+    dequantize_fp8,
+    fp8_dot,
+    fp8_dot_state,
+    quantize_fp8,
+)
+from mpfunc._src.fp8_convert import Fp8Function, convert_to_fp8
 from mpfunc._src.loss_scale import (
     LossScaleState,
     all_finite,
@@ -26,6 +36,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpSetup",
     "AutocastLists",
+    "Fp8DotState",
+    "Fp8Function",
+    "Fp8Meta",
+    "Fp8Recipe",
     "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",
@@ -35,7 +49,11 @@ __all__ = [
     "cast_floating",
     "chain",
     "convert_to_amp",
+    "convert_to_fp8",
+    "dequantize_fp8",
     "dynamic_scale",
+    "fp8_dot",
+    "fp8_dot_state",
     "get_policy",
     "is_norm_param",
     "linen_policy",
@@ -44,6 +62,7 @@ __all__ = [
     "nnx_apply_policy",
     "no_scale",
     "norm_classes",
+    "quantize_fp8",
     "scale_loss",
     "scale_metrics",
     "static_scale",

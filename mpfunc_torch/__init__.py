@@ -5,6 +5,7 @@ same loss-scale rule and presets as the JAX package (`LossScaler`), exact skips,
 inf check reduced over the process groups you name.
 """
 
+from _mpfunc_common.fp8 import Fp8Recipe
 from mpfunc_torch._src.amp import (
     AMP_TYPE,
     AmpCriterion,
@@ -12,6 +13,8 @@ from mpfunc_torch._src.amp import (
     AmpOptimizer,
     convert_to_amp,
 )
+from mpfunc_torch._src.fp8 import dequantize_fp8, quantize_fp8
+from mpfunc_torch._src.fp8_convert import Fp8Linear, convert_to_fp8
 from mpfunc_torch._src.scaler import LossScaler
 
 __version__ = "0.1.0"
@@ -21,6 +24,11 @@ __all__ = [
     "AmpCriterion",
     "AmpModel",
     "AmpOptimizer",
+    "Fp8Linear",
+    "Fp8Recipe",
     "LossScaler",
     "convert_to_amp",
+    "convert_to_fp8",
+    "dequantize_fp8",
+    "quantize_fp8",
 ]
