@@ -48,12 +48,14 @@ QUANTIZE_RULE = """\
     2-D array (leading dimensions flattened); a *block* is the set of elements that
     share one scale: the whole tensor (tensorwise, delayed), one row (rowwise), 1x128
     tiles of inputs and output gradients and 128x128 tiles of weights (blockwise). All
-    arithmetic is float32 (a bfloat16/float16 input is upcast exactly first).
+    arithmetic is float32 (a bfloat16/float16 input is upcast exactly first), and
+    float32 subnormals count as zero: inputs and dequantised values are flushed
+    explicitly, as XLA does on CPU (torch keeps subnormals, XLA on GPU may too).
 
         amax  = max(|x|) over the block          # a NaN counts as +inf
         if amax is finite and amax > 0:
             scale = (fp8_max / amax) / 2**margin # one correctly rounded division
-            scale = min(max(scale, 2**-126), float32_max)
+            scale = min(max(scale, 2**-126), 2**126)   # it and 1/scale are normal
             if power_of_2_scales:
                 scale = 2**floor(log2(scale))    # mantissa bits cleared: exact
         else:                                    # all zeros, or inf/NaN in the block
@@ -63,7 +65,7 @@ QUANTIZE_RULE = """\
         q = clamp(q, -fp8_max, fp8_max) if q is finite else q   # saturate finite values
         q = fp8(q)                               # round to nearest, ties to even
         dequantised = float32(q) * (1 / scale)   # the reciprocal rounded to float32,
-                                                 # as the GPU GEMM applies it
+                                                 # as the GPU GEMM applies it; flushed
 
     Finite values beyond the range saturate to +-fp8_max (the casts of torch and XLA
     do not saturate: they give NaN or inf). Non-finite values are never hidden, so an

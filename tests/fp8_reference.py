@@ -21,7 +21,7 @@ def ref_scale(amax, name, margin=0, power_of_2=False, fallback=1.0):
     with np.errstate(over="ignore", divide="ignore"):
         s = np.float32(fmax / amax)
         s = np.float32(s / np.float32(2.0**margin))
-    s = min(max(s, np.float32(2.0**-126)), np.finfo(np.float32).max)
+    s = min(max(s, np.float32(2.0**-126)), np.float32(2.0**126))
     s = np.float32(s)
     if power_of_2:
         s = np.float32(2.0 ** np.floor(np.log2(np.float64(s))))
@@ -40,9 +40,16 @@ def ref_cast(y, name):
     return np.where(np.isfinite(y), sat, special).astype(np.uint8).view(F8[name])
 
 
+def flush(x):
+    """float32 subnormals -> +0 (the rule counts them as zero)."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.abs(x) < np.float32(2.0**-126), np.float32(0), x)
+
+
 def ref_quantize(x, name, block=None, margin=0, power_of_2=False):
     """Returns (q, scale) exactly as the rule says."""
-    x = np.asarray(x).astype(np.float32)
+    x = flush(np.asarray(x).astype(np.float32))
     if block is None:
         with np.errstate(invalid="ignore"):
             amax = np.max(np.abs(x)) if x.size else np.float32(0)
@@ -70,14 +77,19 @@ def ref_quantize(x, name, block=None, margin=0, power_of_2=False):
 
 
 def ref_dequantize(q, scale, block=None):
+    with np.errstate(over="ignore", invalid="ignore"):  # near float32's max: inf
+        return _dequantize(q, scale, block)
+
+
+def _dequantize(q, scale, block):
     v = np.asarray(q).astype(np.float32)
     inv = (np.float32(1) / np.asarray(scale, np.float32)).astype(np.float32)
     if block is None:
-        return v * inv
+        return flush(v * inv)
     v2 = v.reshape(1, -1) if v.ndim < 2 else v.reshape(-1, v.shape[-1])
     r, c = v2.shape
     br = r if block[0] is None else block[0]
     bc = c if block[1] is None else block[1]
     rows = np.repeat(inv, br, axis=0)[:r]
     full = np.repeat(rows, bc, axis=1)[:, :c]
-    return (v2 * full).reshape(v.shape)
+    return flush(v2 * full).reshape(v.shape)

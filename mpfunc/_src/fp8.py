@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from _mpfunc_common.fp8 import (
-    FLOAT32_MAX,
     FLOAT32_MIN_NORMAL,
     FP8_MAX,
     QUANTIZE_RULE,
@@ -32,6 +31,8 @@ __all__ = ["Fp8Meta", "Fp8DotState", "quantize_fp8", "dequantize_fp8", "fp8_dot"
 
 _DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 _F32 = jnp.float32
+# Scales stay in [2**-126, 2**126], so they and their reciprocals are normal floats.
+_MIN_SCALE, _MAX_SCALE = 2.0**-126, 2.0**126
 AxisName = Hashable | Sequence[Hashable] | None
 
 
@@ -127,7 +128,7 @@ def _amax(x: jax.Array, block) -> jax.Array:
     NaN is mapped to inf first because XLA's CPU reduction (the YNNPACK fusion) does not
     propagate NaN through ``max``.
     """
-    a = jnp.abs(x.astype(_F32))
+    a = jnp.abs(_flush(x.astype(_F32)))
     a = jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, _F32), a)
     if block is None:
         return jnp.max(a)
@@ -139,7 +140,7 @@ def _scale(amax: jax.Array, fp8_max: float, margin: int, power_of_2: bool, fallb
     s = jnp.asarray(fp8_max, _F32) / amax
     if margin:
         s = s / jnp.asarray(2.0**margin, _F32)
-    s = jnp.clip(s, jnp.asarray(FLOAT32_MIN_NORMAL, _F32), jnp.asarray(FLOAT32_MAX, _F32))
+    s = jnp.clip(s, jnp.asarray(_MIN_SCALE, _F32), jnp.asarray(_MAX_SCALE, _F32))
     if power_of_2:  # clear the mantissa: 2**floor(log2(s)), exactly (s is normal)
         bits = jax.lax.bitcast_convert_type(s, jnp.uint32) & jnp.uint32(0xFF800000)
         s = jax.lax.bitcast_convert_type(bits, _F32)
@@ -154,8 +155,13 @@ def _cast(y: jax.Array, name: str) -> jax.Array:
     return y.astype(_DTYPES[name])
 
 
+def _flush(x: jax.Array) -> jax.Array:
+    """float32 subnormals -> 0, explicitly (XLA on CPU flushes them, on GPU it may not)."""
+    return jnp.where(jnp.abs(x) < jnp.asarray(FLOAT32_MIN_NORMAL, _F32), jnp.zeros((), _F32), x)
+
+
 def _quantize_with(x: jax.Array, scale: jax.Array, block, name: str) -> jax.Array:
-    x = x.astype(_F32)
+    x = _flush(x.astype(_F32))
     if block is None:
         return _cast(x * scale, name)
     t, info = _tiled(_as_2d(x), block)
@@ -232,7 +238,7 @@ def dequantize_fp8(q: jax.Array, scale: jax.Array, block=None, dtype: Any = _F32
     else:
         t, info = _tiled(_as_2d(v), block)
         out = _untiled(t * inv[:, None, :, None], info).reshape(q.shape)
-    return out.astype(dtype)
+    return _flush(out).astype(dtype)
 
 
 # ------------------------------------------------------------------ delayed scaling

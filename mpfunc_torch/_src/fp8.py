@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from _mpfunc_common.fp8 import (
-    FLOAT32_MAX,
     FLOAT32_MIN_NORMAL,
     FP8_MAX,
     QUANTIZE_RULE,
@@ -29,6 +28,8 @@ __all__ = ["quantize_fp8", "dequantize_fp8", "scaled_mm", "scaled_mm_available",
 
 _DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _F32 = torch.float32
+# Scales stay in [2**-126, 2**126], so they and their reciprocals are normal floats.
+_MIN_SCALE, _MAX_SCALE = 2.0**-126, 2.0**126
 # Bit patterns of (NaN, +inf, -inf): e4m3fn has no inf, so +-inf become its NaNs.
 _NONFINITE_BITS = {"float8_e4m3fn": (0x7F, 0x7F, 0xFF), "float8_e5m2": (0x7E, 0x7C, 0xFC)}
 _MANTISSA_OFF = -8388608  # 0xFF800000 as an int32: sign and exponent bits of a float32
@@ -74,7 +75,7 @@ def _untiled(t: torch.Tensor, info) -> torch.Tensor:
 
 def _amax(x: torch.Tensor, block) -> torch.Tensor:
     """max |x| per block (float32), a NaN counting as +inf (as on the JAX side)."""
-    a = x.detach().to(_F32).abs()
+    a = _flush(x.detach().to(_F32)).abs()
     a = torch.where(a.isnan(), torch.tensor(float("inf"), device=a.device), a)
     if block is None:
         return a.amax() if a.numel() else torch.zeros((), device=a.device)
@@ -87,7 +88,7 @@ def _scale(amax: torch.Tensor, fp8_max: float, margin: int, power_of_2: bool,
     s = torch.tensor(fp8_max, dtype=_F32, device=amax.device) / amax
     if margin:
         s = s / torch.tensor(2.0**margin, dtype=_F32, device=amax.device)
-    s = s.clamp(FLOAT32_MIN_NORMAL, FLOAT32_MAX)
+    s = s.clamp(_MIN_SCALE, _MAX_SCALE)
     if power_of_2:  # clear the mantissa: 2**floor(log2(s)), exactly (s is normal)
         s = (s.view(torch.int32) & _MANTISSA_OFF).view(_F32)
     ok = torch.isfinite(amax) & (amax > 0)
@@ -107,8 +108,13 @@ def _cast(y: torch.Tensor, name: str) -> torch.Tensor:
     return torch.where(finite, q.view(torch.uint8), special.to(torch.uint8)).view(q.dtype)
 
 
+def _flush(x: torch.Tensor) -> torch.Tensor:
+    """float32 subnormals -> 0, as XLA computes on CPU (torch keeps them)."""
+    return torch.where(x.abs() < FLOAT32_MIN_NORMAL, 0.0, x)
+
+
 def _quantize_with(x: torch.Tensor, scale: torch.Tensor, block, name: str) -> torch.Tensor:
-    x = x.detach().to(_F32)
+    x = _flush(x.detach().to(_F32))
     if block is None:
         return _cast(x * scale, name)
     t, info = _tiled(_as_2d(x), block)
@@ -191,7 +197,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block=None,
     else:
         t, info = _tiled(_as_2d(v), block)
         out = _untiled(t * inv[:, None, :, None], info).reshape(q.shape)
-    return out.to(dtype)
+    return _flush(out).to(dtype)
 
 
 # --------------------------------------------------------------- torch._scaled_mm
