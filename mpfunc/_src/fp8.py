@@ -372,6 +372,7 @@ def fp8_dot(
       (1.0, 1.0)
     """
     recipe = resolve_recipe(recipe)
+    x, w = jnp.asarray(x), jnp.asarray(w)
     if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"`x` must be [..., K] and `w` [K, N]; got {x.shape} and {w.shape}.")
     for arg, v in (("x", x), ("w", w)):
@@ -393,4 +394,36 @@ def fp8_dot(
     out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
     if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
+    x, w = _same_varying_axes(x, w, recipe, axis_name)
     return _dot(x, w, state, recipe, axis_name, out_dtype)
+
+
+def _same_varying_axes(x, w, recipe, axis_name):
+    """Under shard_map's varying-axes typing: a replicated kernel meeting sharded
+    activations is marked varying before the custom_vjp (as a plain matmul does
+    implicitly), so its gradient is summed over the shards on the way out. The state
+    stays replicated, so its update must be reduced over every axis the data varies on."""
+    vx, vw = _varying_axes(x), _varying_axes(w)
+    if not (vx or vw):
+        return x, w
+    vx, vw = vx or frozenset(), vw or frozenset()
+    if vx - vw:
+        w = _to_varying(w, tuple(sorted(vx - vw, key=str)))
+    if vw - vx:
+        x = _to_varying(x, tuple(sorted(vw - vx, key=str)))
+    if recipe.delayed:
+        named = set(axis_name if isinstance(axis_name, tuple) else
+                    () if axis_name is None else (axis_name,))
+        missing = (vx | vw) - named
+        if missing:
+            raise ValueError(
+                f"`axis_name` must name every mesh axis the operands vary over "
+                f"({sorted(vx | vw, key=str)}) so that all shards record the same amax "
+                f"history; got axis_name={axis_name!r}.")
+    return x, w
+
+
+def _to_varying(x, axes):
+    if hasattr(jax.lax, "pcast"):  # jax >= 0.8
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # pragma: no cover - older jax
