@@ -5,7 +5,14 @@ weights, and the torch / apex-like / naive / bf16 AMP modes.
 """
 
 from _mpfunc_common.fp8 import Fp8Recipe
+from _mpfunc_common.mixed_precision import (
+    BF16MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
+)
 from mpfunc._src.autocast import AutocastLists, autocast
+from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
 from mpfunc._src.fp8 import (
     Fp8DotState,
@@ -30,12 +37,17 @@ from mpfunc._src.loss_scale import (
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
 from mpfunc._src.policy import Policy, cast_floating, get_policy
+from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AmpSetup",
     "AutocastLists",
+    "BF16MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "Fp8DotState",
     "Fp8Function",
     "Fp8Meta",
@@ -48,6 +60,7 @@ __all__ = [
     "autocast",
     "cast_floating",
     "chain",
+    "clip_by_global_norm",
     "convert_to_amp",
     "convert_to_fp8",
     "dequantize_fp8",
@@ -55,6 +68,7 @@ __all__ = [
     "fp8_dot",
     "fp8_dot_state",
     "get_policy",
+    "global_norm",
     "is_norm_param",
     "linen_policy",
     "loss_scale",
@@ -65,5 +79,6 @@ __all__ = [
     "quantize_fp8",
     "scale_loss",
     "scale_metrics",
+    "state_sharding",
     "static_scale",
 ]

@@ -6,16 +6,19 @@ inf check reduced over the process groups you name.
 """
 
 from _mpfunc_common.fp8 import Fp8Recipe
-from mpfunc_torch._src.amp import (
-    AMP_TYPE,
-    AmpCriterion,
-    AmpModel,
-    AmpOptimizer,
-    convert_to_amp,
+from _mpfunc_common.mixed_precision import (
+    BF16MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
 )
+from mpfunc_torch._src.booster import backward, boost
 from mpfunc_torch._src.fp8 import dequantize_fp8, quantize_fp8
 from mpfunc_torch._src.fp8_convert import Fp8Linear, convert_to_fp8
-from mpfunc_torch._src.scaler import LossScaler
+from mpfunc_torch._src.loss_scale import LossScaler
+from mpfunc_torch._src.model import AmpCriterion, AmpModel
+from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
+from mpfunc_torch._src.optimizer import AmpOptimizer
 
 __version__ = "0.1.0"
 
@@ -24,9 +27,15 @@ __all__ = [
     "AmpCriterion",
     "AmpModel",
     "AmpOptimizer",
+    "BF16MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "Fp8Linear",
     "Fp8Recipe",
     "LossScaler",
+    "backward",
+    "boost",
     "convert_to_amp",
     "convert_to_fp8",
     "dequantize_fp8",

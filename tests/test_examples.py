@@ -42,6 +42,28 @@ def test_shard_map_parallel():
     assert "step 2: shards that stepped 0/8, params changed: False" in out
 
 
+def test_jax_fsdp():
+    out = run("jax_fsdp.py")
+    # FSDP under jit: an inf in one device's gradient shard, no axis_name, all 8 skip.
+    assert "skipped on 8/8 devices, params and state unchanged: True" in out
+    # Each device's float32 masters cover its own float16 shard only: twice its bytes.
+    row = next(ln for ln in out.splitlines() if ln.startswith("| naive |"))
+    params_kib, masters_kib = (float(c) for c in row.split("|")[2:4])
+    assert masters_kib == pytest.approx(2 * params_kib, abs=0.15)  # printed to 0.1 KiB
+    # FSDP + TP in shard_map: the injected overflow skipped everywhere, and every device
+    # clips by the same global norm.
+    assert "devices that stepped 0/8  <- inf in device 7's w1 gradient shard; params and " \
+           "state unchanged on every device: True" in out
+    assert "(same: True)" in out and "(same: False)" not in out
+
+
+def test_jax_pipeline():
+    out = run("jax_pipeline.py")
+    assert "stepped per stage [0, 0] of 4  <- inf in stage 1's gradients only; every stage " \
+           "skipped: True, params and optimizer state unchanged: True" in out
+    assert out.count("stepped per stage [4, 4] of 4") == 9
+
+
 @pytest.mark.slow
 def test_torch_distributed():
     out = run("torch_distributed.py")
@@ -61,3 +83,20 @@ def test_compare_modes(tmp_path):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1] == "yes" and cells[2] == "yes", row  # identical scale trajectories
         assert float(cells[3]) < 0.05, row
+
+
+def test_booster_tutorial():
+    """Colossal-AI's Booster tutorial loop (Steps 3-5) runs on mpfunc_torch: every
+    Booster name trains, the scheduler's warmup/decay reaches the wrapped optimizer, and
+    the tutorial's FP16TorchMixedPrecision object trains exactly as 'fp16' does."""
+    import re
+    out = run("booster_tutorial.py")
+    results = dict(re.findall(r"^result (\S+): (.*)$", out, re.MULTILINE))
+    assert sorted(results) == ["bf16", "fp16", "fp16_apex", "fp16_naive", "object"]
+    for name, line in results.items():
+        first, last, lrs, skipped = re.fullmatch(
+            r"loss (\S+) -> (\S+), lrs (\[.*\]), skipped (\d+)", line).groups()
+        assert float(last) < float(first) - 0.1, (name, line)   # it learns
+        assert lrs == "[0.003333, 0.006667, 0.01, 0.005]", (name, line)  # LinearWarmupLR
+        assert (int(skipped) > 0) == (name == "fp16_naive"), (name, line)  # 2**32 backs off
+    assert results["object"] == results["fp16"]

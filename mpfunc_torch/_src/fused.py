@@ -3,7 +3,7 @@
 * ``torch._amp_foreach_non_finite_check_and_unscale_``: one fused pass that multiplies
   every gradient by ``inv_scale`` in place and raises ``found_inf`` if any is inf/NaN.
 * ``torch._amp_update_scale_``: torch's one-kernel GradScaler update, used only where it
-  computes exactly our rule (see `mpfunc_torch._src.scaler`).
+  computes exactly our rule (see `mpfunc_torch._src.loss_scale`).
 
 Both exist on CPU and CUDA in every torch this project supports (>= 2.11).
 """

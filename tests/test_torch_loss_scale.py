@@ -1,4 +1,4 @@
-"""Tests for mpfunc_torch._src.scaler: the rule on torch tensors, and cross-framework parity."""
+"""Tests for mpfunc_torch._src.loss_scale: the rule on torch tensors, and cross-framework parity."""
 
 import jax
 import jax.numpy as jnp
