@@ -7,6 +7,7 @@ weights, and the torch / apex-like / naive / bf16 AMP modes.
 from _mpfunc_common.fp8 import Fp8Recipe
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,
+    FP8MixedPrecision,
     FP16ApexMixedPrecision,
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
@@ -45,6 +46,7 @@ __all__ = [
     "AmpSetup",
     "AutocastLists",
     "BF16MixedPrecision",
+    "FP8MixedPrecision",
     "FP16ApexMixedPrecision",
     "FP16NaiveMixedPrecision",
     "FP16TorchMixedPrecision",

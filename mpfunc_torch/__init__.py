@@ -8,6 +8,7 @@ inf check reduced over the process groups you name.
 from _mpfunc_common.fp8 import Fp8Recipe
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,
+    FP8MixedPrecision,
     FP16ApexMixedPrecision,
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
@@ -28,6 +29,7 @@ __all__ = [
     "AmpModel",
     "AmpOptimizer",
     "BF16MixedPrecision",
+    "FP8MixedPrecision",
     "FP16ApexMixedPrecision",
     "FP16NaiveMixedPrecision",
     "FP16TorchMixedPrecision",

@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover
     from jax.core import ClosedJaxpr, Literal  # type: ignore
 
-__all__ = ["Fp8Function", "convert_to_fp8"]
+__all__ = ["Fp8Function", "convert_to_fp8", "fp8_mode_apply"]
 
 _INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _INLINE_CALL = frozenset({"custom_jvp_call"})
@@ -140,9 +140,9 @@ class Fp8Function:
     step's state. `sites` lists the converted matmuls by parameter path.
     """
 
-    def __init__(self, fn, recipe, axis_name, compute_dtype=None):
+    def __init__(self, fn, recipe, axis_name, compute_dtype=None, output_cast=None):
         self.fn, self.recipe, self.axis_name = fn, recipe, axis_name
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.output_cast = compute_dtype, output_cast
         functools.update_wrapper(self, fn)
 
     def _run(self, params, args, kwargs, state):
@@ -184,7 +184,8 @@ class Fp8Function:
         if fp8_state is not None and not isinstance(fp8_state, dict):
             raise TypeError(f"`fp8_state` must be the dict `.init` returns, got "
                             f"{type(fp8_state).__name__}.")
-        return self._run(params, args, kwargs, fp8_state)[0]
+        out = self._run(params, args, kwargs, fp8_state)[0]
+        return out if self.output_cast is None else self.output_cast(out)
 
     def sites(self, params, *args, **kwargs) -> list[str]:
         """The converted matmuls, named by the path of their parameter (traced only)."""
@@ -254,3 +255,12 @@ def convert_to_fp8(
         raise ValueError(f"`axis_name` applies to per-tensor scales (tensorwise, delayed); "
                          f"{recipe.scaling} scales are local to the rows they scale.")
     return Fp8Function(fn, recipe, axis_name, compute_dtype)
+
+
+def fp8_mode_apply(fn: Callable, recipe, compute_dtype, output_cast: Callable,
+                   axis_name: AxisName) -> Fp8Function:
+    """The fp8 AMP mode's ``apply_fn``: dense matmuls in fp8, the rest under autocast,
+    outputs cast by ``output_cast``; ``axis_name`` reduces per-tensor amaxes only."""
+    per_tensor = recipe.block("input") is None
+    return Fp8Function(fn, recipe, axis_name if per_tensor else None, np.dtype(compute_dtype),
+                       output_cast)
