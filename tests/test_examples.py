@@ -78,7 +78,7 @@ def test_compare_modes(tmp_path):
     assert (tmp_path / "compare_modes.png").stat().st_size > 10_000
     parity = out.split("Cross-framework parity")[1]
     rows = [ln for ln in parity.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
-    assert len(rows) == 6  # fp32 + the five default modes
+    assert len(rows) == 7  # fp32 + the six default modes
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1] == "yes" and cells[2] == "yes", row  # identical scale trajectories

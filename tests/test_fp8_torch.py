@@ -14,6 +14,16 @@ import mpfunc_torch
 from _mpfunc_common.fp8 import resolve_recipe
 from mpfunc_torch._src import fp8 as fp8_mod
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    # The suite runs one pytest worker per core: more torch threads only oversubscribe
+    # (13x slower measured on a busy 2-core machine).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
 HAS_FP8_GPU = torch.cuda.is_available() and fp8_mod.scaled_mm_available(torch.device("cuda"))
 
