@@ -198,9 +198,9 @@ def test_flax_dynamic_scale_corrupts_flax_fp8_meta():
     model = nn.Dense(4, dot_general_cls=nn.Fp8DirectDotGeneralOp)
     variables = model.init(jax.random.PRNGKey(0), x)
     loss = lambda v: jnp.sum(model.apply(v, x))  # noqa: E731
-    plain = jax.grad(loss)(variables)["_overwrite_with_gradient"]
+    plain = jax.jit(jax.grad(loss))(variables)["_overwrite_with_gradient"]
     ds = DynamicScale(scale=jnp.asarray(2.0**10, jnp.float32))
-    scaled = ds.value_and_grad(loss)(variables).grad["_overwrite_with_gradient"]
+    scaled = jax.jit(ds.value_and_grad(loss))(variables).grad["_overwrite_with_gradient"]
     h_plain = plain["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
     h_scaled = scaled["Fp8DirectDotGeneralOp_0"]["input_amax_history"]
     assert float(h_plain[0]) == float(jnp.abs(x).max())
@@ -275,14 +275,15 @@ def test_convert_to_fp8_finds_the_dense_matmuls_only():
     # x @ w, einsum with a transposed kernel and w @ x are converted; the attention
     # products are not. The result equals the model written with fp8_dot by hand.
     p, x = mlp_params(), jnp.asarray(data(10, 32, 8)[0])
-    f = mpfunc.convert_to_fp8(jax.jit(mlp), "blockwise")
+    f = mpfunc.convert_to_fp8(jax.jit(mlp))
     assert f.sites(p, x) == ["w1", "w2", "w3"]
     got = jax.jit(jax.value_and_grad(lambda p: jnp.sum(f(p, x) ** 2)))(p)
-    want = jax.jit(jax.value_and_grad(lambda p: jnp.sum(mlp_by_hand(p, x, "blockwise") ** 2)))(p)
+    want = jax.jit(jax.value_and_grad(lambda p: jnp.sum(mlp_by_hand(p, x) ** 2)))(p)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b)
-    tw = mpfunc.convert_to_fp8(mlp)
-    np.testing.assert_array_equal(jax.jit(tw)(p, x), jax.jit(mlp_by_hand)(p, x))
+    bw = mpfunc.convert_to_fp8(mlp, "blockwise")
+    np.testing.assert_array_equal(jax.jit(bw)(p, x),
+                                  jax.jit(functools.partial(mlp_by_hand, recipe="blockwise"))(p, x))
 
 
 def test_convert_to_fp8_delayed_state_and_errors():

@@ -14,6 +14,7 @@ import mpfunc_torch
 from _mpfunc_common.fp8 import resolve_recipe
 from mpfunc_torch._src import fp8 as fp8_mod
 
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     # The suite runs one pytest worker per core: more torch threads only oversubscribe
@@ -167,6 +168,7 @@ def test_blockwise_and_odd_shapes_fall_back_to_the_emulation(monkeypatch):
     run_layer("tensorwise", x, w, b, r, gemm="scaled_mm")
     x, w, b, r = data(8, 128, 32)
     run_layer("blockwise", x, w, b, r, gemm="scaled_mm")
+    run_layer(mpfunc.Fp8Recipe(format="e5m2"), x, w, b, r, gemm="scaled_mm")
 
 
 @pytest.mark.gpu

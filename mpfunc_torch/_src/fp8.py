@@ -235,6 +235,8 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
 def _scaled_mm_fits(a: torch.Tensor, b: torch.Tensor, block, out_dtype) -> bool:
     if block is not None and block != (1, None):
         return False  # blockwise: emulated (its cuBLAS kernels are not wrapped yet)
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        return False  # cuBLASLt has no e5m2 x e5m2 GEMM (format="e5m2"): emulated
     k, n = a.shape[1], b.shape[0]
     return k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16, _F32)
 
