@@ -97,3 +97,24 @@ def test_both_packages_export_the_same_recipe_class():
     import mpfunc_torch
 
     assert mpfunc.Fp8Recipe is mpfunc_torch.Fp8Recipe is Fp8Recipe
+
+
+def test_the_fp8_mode_in_the_shared_mode_table():
+    from _mpfunc_common.amp_config import MODE_DEFAULTS, resolve_amp
+    from _mpfunc_common.mixed_precision import FP8MixedPrecision, mode_and_config
+
+    assert MODE_DEFAULTS["fp8"] == {"recipe": "tensorwise"}
+    plan = resolve_amp("fp8", {})
+    assert (plan.autocast_dtype, plan.scale_kind, plan.master_weights) == ("bfloat16", "none",
+                                                                           False)
+    assert plan.fp8_recipe == RECIPES["tensorwise"] and "fp8 linear matmuls" in plan.describe()
+    assert resolve_amp("fp8", {"recipe": "delayed"}).fp8_recipe.delayed
+    # The Booster name and the config object mean the same plan.
+    assert resolve_amp(*mode_and_config(None, "fp8", {"recipe": "rowwise"})) == resolve_amp(
+        *mode_and_config(None, FP8MixedPrecision("rowwise"), {}))
+    assert FP8MixedPrecision("delayed") == FP8MixedPrecision(Fp8Recipe("delayed"))
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['dtype'\] for mode 'fp8'; "
+                                         r"valid keys for this mode: \['recipe'\]"):
+        resolve_amp("fp8", {"dtype": "float16"})
+    with pytest.raises(ValueError, match="`recipe` must be one of"):
+        FP8MixedPrecision("mxfp8")

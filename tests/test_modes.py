@@ -175,7 +175,7 @@ def test_injected_inf_skips_in_every_scaled_mode():
 
 
 @pytest.mark.parametrize("mode, cfg, match", [
-    ("fp8", {}, "`mode` must be one of"),
+    ("fp4", {}, "`mode` must be one of"),
     ("torch", {"hysteresis": 2}, "unknown config key"),
     ("apex", {"opt_level": "O9"}, "`opt_level` must be one of"),
     ("naive", {"min_scale": 4.0, "max_scale": 2.0, "initial_scale": 2.0}, "`min_scale`"),
