@@ -54,7 +54,7 @@ QUANTIZE_RULE = """\
 
         amax  = max(|x|) over the block          # a NaN counts as +inf
         if amax is finite and amax > 0:
-            scale = (fp8_max / amax) / 2**margin # one correctly rounded division
+            scale = (fp8_max / amax) / 2**margin # correctly rounded float32 divisions
             scale = min(max(scale, 2**-126), 2**126)   # it and 1/scale are normal
             if power_of_2_scales:
                 scale = 2**floor(log2(scale))    # mantissa bits cleared: exact
@@ -67,8 +67,9 @@ QUANTIZE_RULE = """\
         dequantised = float32(q) * (1 / scale)   # the reciprocal rounded to float32,
                                                  # as the GPU GEMM applies it; flushed
 
-    Finite values beyond the range saturate to +-fp8_max (the casts of torch and XLA
-    do not saturate: they give NaN or inf). Non-finite values are never hidden, so an
+    Finite values beyond the range saturate to +-fp8_max, written out because the
+    frameworks' own casts disagree (torch's e4m3fn cast saturates, even inf; XLA's
+    gives NaN; both overflow to inf in e5m2). Non-finite values are never hidden, so an
     overflow upstream still makes the step non-finite and the loss scale skips it: any
     NaN becomes the positive NaN (0x7F in e4m3fn, 0x7E in e5m2); +-inf becomes +-inf in
     e5m2 (0x7C, 0xFC) and a NaN in e4m3fn, which has no inf (0x7F, 0xFF).
@@ -82,9 +83,9 @@ QUANTIZE_RULE = """\
         scale = rule above with amax_used, fallback = the previous scale
         history = [amax of this step's tensor] + history[:-1]   # only if finite
 
-    The amax is MAX-reduced over the data-parallel group (``axis_name`` in JAX,
-    ``process_group`` in torch) before it is used or recorded, so every rank has the
-    same scales and histories.
+    A per-tensor amax (tensorwise, delayed) is MAX-reduced over the data-parallel group
+    (``axis_name`` in JAX, ``process_group`` in torch) before it is used or recorded,
+    so every rank has the same scales and histories. Row and tile scales are local.
 """
 
 

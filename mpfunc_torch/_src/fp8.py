@@ -23,6 +23,7 @@ from _mpfunc_common.fp8 import (
     Fp8Recipe,
     scale_shape,
 )
+from mpfunc_torch._src.distributed import normalize_groups
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "scaled_mm", "scaled_mm_available", "fp8_linear"]
 
@@ -162,8 +163,6 @@ def quantize_fp8(
       >>> q.dtype, float(s), mpfunc_torch.dequantize_fp8(q, s).tolist()
       (torch.float8_e4m3fn, 112.0, [1.0, -2.0, 4.0])
     """
-    from mpfunc_torch._src.distributed import normalize_groups
-
     name = _fp8_name(dtype)
     if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
         raise TypeError(f"`x` must be a floating tensor, got {getattr(x, 'dtype', type(x))}.")
