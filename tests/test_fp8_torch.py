@@ -127,6 +127,7 @@ def checked_scaled_mm(calls):
     def fake(a, b, scale_a, scale_b, bias=None, out_dtype=None, **kw):
         m, k = a.shape
         n = b.shape[1]
+        assert bias is None or bias.dtype in (torch.bfloat16, torch.float16)
         assert a.stride() == (k, 1), "a must be row-major"
         assert b.stride() == (1, k), "b must be column-major"
         assert k % 16 == 0 and n % 16 == 0

@@ -214,7 +214,8 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     ``a_scale``/``b_scale`` are `quantize_fp8`'s scales: 0-dim (tensorwise) or ``(M, 1)`` /
     ``(N, 1)`` (rowwise). ``_scaled_mm`` wants a row-major ``a``, a column-major second
     operand (``b.T`` of a row-major ``b``) and the reciprocal scales; rowwise needs a
-    bfloat16 output, so another ``out_dtype`` is that bfloat16 result cast.
+    bfloat16 output, so another ``out_dtype`` is that bfloat16 result cast; a bias is
+    fused only into a 16-bit output.
     """
     a = a.contiguous()
     b = b.contiguous()
@@ -225,9 +226,12 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
         inv_a = inv_a.reshape(-1, 1).contiguous()
         inv_b = inv_b.reshape(1, -1).contiguous()
     mm_dtype = torch.bfloat16 if rowwise else out_dtype
-    if bias is not None:
-        bias = bias.to(mm_dtype)
-    out = torch._scaled_mm(a, b.t(), inv_a, inv_b, bias=bias, out_dtype=mm_dtype)
+    # cuBLASLt takes a bias only in a 16-bit type; a float32 result adds it afterwards.
+    fused_bias = bias is not None and mm_dtype in (torch.bfloat16, torch.float16)
+    out = torch._scaled_mm(a, b.t(), inv_a, inv_b, out_dtype=mm_dtype,
+                           bias=bias.to(mm_dtype) if fused_bias else None)
+    if bias is not None and not fused_bias:
+        out = out + bias.to(out.dtype)
     return out.to(out_dtype)
 
 
