@@ -123,6 +123,12 @@ class Fp8Recipe:
       power_of_2_scales: round every scale down to a power of two, so quantising and
         dequantising multiply exactly (default for rowwise, as torchao does).
       block_size: the tile edge of the blockwise recipe (default 128).
+
+    Examples:
+      >>> from _mpfunc_common.fp8 import Fp8Recipe
+      >>> r = Fp8Recipe("blockwise")
+      >>> r.dtype("grad_output"), r.block("input"), r.block("weight")
+      ('float8_e5m2', (1, 128), (128, 128))
     """
 
     scaling: str = "tensorwise"
