@@ -20,83 +20,62 @@ import jax.numpy as jnp
 import numpy as np
 
 from _mpfunc_common.fp8 import resolve_recipe
-from mpfunc._src.autocast import _bind_with_subprograms, _Rules
+from mpfunc._src.autocast import AutocastLists, _Rules
 from mpfunc._src.fp8 import AxisName, Fp8DotState, fp8_dot, fp8_dot_state
-
-try:
-    from jax.extend.core import ClosedJaxpr, Literal
-except ImportError:  # pragma: no cover
-    from jax.core import ClosedJaxpr, Literal  # type: ignore
+from mpfunc._src.rewrite import INLINE, Literal, Rewriter
 
 __all__ = ["Fp8Function", "convert_to_fp8", "fp8_mode_apply"]
 
-_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
-_INLINE_CALL = frozenset({"custom_jvp_call"})
 # Ops that keep "this value is a parameter" (layout and dtype changes only).
 _LAYOUT = frozenset({"convert_element_type", "transpose", "reshape", "squeeze",
                      "expand_dims", "copy", "copy_p", "optimization_barrier"})
 
 
-class _Interpreter:
-    """Evaluates a jaxpr, turning dense dots into fp8 dots; the rest goes to ``rules``
-    (autocast's rules in the AMP mode) or is bound as written."""
+class _Fp8Rewriter(_Rules):
+    """Evaluates a jaxpr (the `rewrite.Rewriter` engine), turning dense dots into fp8
+    dots. A variable's tag is the path of the parameter it is a view of. Every other op
+    runs under autocast's rules (the AMP mode, ``compute_dtype`` given) or as written.
+    """
 
-    def __init__(self, recipe, axis_name, state, rules: _Rules | None):
-        self.recipe, self.axis_name, self.state, self.rules = recipe, axis_name, state, rules
-        self.origin: dict[int, str] = {}
-        self.alive: list[Any] = []  # keeps tagged values alive, so their ids stay unique
+    def __init__(self, recipe, axis_name, state, compute_dtype):
+        super().__init__(compute_dtype if compute_dtype is not None else np.float32,
+                         AutocastLists())
+        self.autocast = compute_dtype is not None
+        self.recipe, self.axis_name, self.state = recipe, axis_name, state
         self.sites: list[str] = []
 
-    def tag(self, value, path: str) -> None:
-        self.origin[id(value)] = path
-        self.alive.append(value)
-
-    def eval_jaxpr(self, jaxpr, consts, args):
-        env: dict[Any, Any] = {}
-
-        def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
-
-        for v, c in zip(jaxpr.constvars, consts):
-            env[v] = c
-        for v, a in zip(jaxpr.invars, args):
-            env[v] = a
+    def tags(self, jaxpr, in_tags):
+        path = {v: t for v, t in zip(jaxpr.invars, in_tags) if t is not None}
         for eqn in jaxpr.eqns:
-            outs = self.apply(eqn, [read(v) for v in eqn.invars])
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, o in zip(eqn.outvars, outs):
-                env[v] = o
-        return [read(v) for v in jaxpr.outvars]
+            name, params = eqn.primitive.name, eqn.params
+            ins = [None if isinstance(v, Literal) else path.get(v) for v in eqn.invars]
+            if name in INLINE and hasattr(params.get("jaxpr"), "jaxpr"):
+                _, out = self.tags(params["jaxpr"].jaxpr, ins)
+                path.update({v: t for v, t in zip(eqn.outvars, out) if t is not None})
+            elif name in _LAYOUT and ins and ins[0] is not None:
+                path[eqn.outvars[0]] = ins[0]
+        return path, [None if isinstance(v, Literal) else path.get(v) for v in jaxpr.outvars]
 
-    def apply(self, eqn, invals):
-        prim, params = eqn.primitive, eqn.params
-        name = prim.name
-        if name in _INLINE and isinstance(params.get("jaxpr"), ClosedJaxpr):
-            cj = params["jaxpr"]
-            outs = self.eval_jaxpr(cj.jaxpr, cj.consts, invals)
-            return outs if prim.multiple_results else outs[0]
-        if name in _INLINE_CALL and isinstance(params.get("call_jaxpr"), ClosedJaxpr):
-            cj = params["call_jaxpr"]
-            outs = self.eval_jaxpr(cj.jaxpr, cj.consts, invals[len(invals) - len(cj.jaxpr.invars):])
-            return outs if prim.multiple_results else outs[0]
-        if name == "dot_general":
-            out = self._dense(eqn, invals)
+    @staticmethod
+    def _sub_tags(n_in, tags):
+        # Control flow and custom-derivative bodies see no parameters: their matmuls
+        # stay as the rules have them (a parameter sliced in a loop is not a leaf).
+        return [None] * n_in
+
+    def rule(self, eqn, invals, tags):
+        if eqn.primitive.name == "dot_general":
+            out = self._dense(eqn, invals, tags)
             if out is not None:
                 return out
-        if self.rules is not None:
-            out = self.rules.apply(eqn, invals)
-        else:
-            out = _bind_with_subprograms(prim, invals, dict(params))
-        if name in _LAYOUT and id(invals[0]) in self.origin:
-            self.tag(out, self.origin[id(invals[0])])
-        return out
+        if self.autocast:
+            return super().rule(eqn, invals, tags)
+        return Rewriter.rule(self, eqn, invals, tags)
 
-    def _dense(self, eqn, invals):
+    def _dense(self, eqn, invals, tags):
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         if lb or rb or len(lc) != 1 or len(rc) != 1:
             return None
-        is_param = [id(v) in self.origin for v in invals]
+        is_param = [t is not None for t in tags]
         if is_param.count(True) != 1:
             return None
         w_idx = is_param.index(True)
@@ -104,7 +83,7 @@ class _Interpreter:
         if w.ndim != 2 or not all(jnp.issubdtype(v.dtype, jnp.floating) for v in invals):
             return None
         cw, cx = (lc, rc)[w_idx][0], (lc, rc)[1 - w_idx][0]
-        path = self.origin[id(w)]
+        path = tags[w_idx]
         key = path
         n = 1
         while key in self.sites:
@@ -120,16 +99,11 @@ class _Interpreter:
                                  "function and arguments.")
             else:
                 state = self.state[key]
-        out_dtype = (self.rules.compute if self.rules is not None
-                     else eqn.outvars[0].aval.dtype)
+        out_dtype = self.compute if self.autocast else eqn.outvars[0].aval.dtype
         w_kn = w if cw == 0 else w.T
         y = fp8_dot(jnp.moveaxis(x, cx, -1), w_kn, self.recipe, state,
                     axis_name=self.axis_name, out_dtype=out_dtype)
         return jnp.moveaxis(y, -1, 0) if w_idx == 0 else y
-
-
-def _is_traceable(x) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
 class Fp8Function:
@@ -146,31 +120,16 @@ class Fp8Function:
         functools.update_wrapper(self, fn)
 
     def _run(self, params, args, kwargs, state):
-        p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        paths = [jax.tree_util.keystr(k, simple=True, separator="/") for k, _ in p_leaves]
-        leaves, treedef = jax.tree_util.tree_flatten(((params,) + tuple(args), kwargs))
-        dyn_idx = [i for i, x in enumerate(leaves) if _is_traceable(x)]
+        rewriter = _Fp8Rewriter(self.recipe, self.axis_name, state, self.compute_dtype)
 
-        def flat_fn(*dyn):
-            full = list(leaves)
-            for i, x in zip(dyn_idx, dyn):
-                full[i] = x
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            return self.fn(*a, **k)
+        def in_tag(path, leaf):  # ((params, *args), kwargs): a leaf of params, by its path
+            del leaf
+            if len(path) >= 2 and path[0].idx == 0 and path[1].idx == 0:
+                return jax.tree_util.keystr(path[2:], simple=True, separator="/")
+            return None
 
-        dyn = [leaves[i] for i in dyn_idx]
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
-        rules = None
-        if self.compute_dtype is not None:
-            from mpfunc._src.autocast import AutocastLists
-            rules = _Rules(self.compute_dtype, AutocastLists())
-        interp = _Interpreter(self.recipe, self.axis_name, state, rules)
-        param_ids = {id(x): p for (_, x), p in zip(p_leaves, paths)}
-        for i, x in zip(dyn_idx, dyn):
-            if id(leaves[i]) in param_ids:
-                interp.tag(x, param_ids[id(leaves[i])])
-        outs = interp.eval_jaxpr(closed.jaxpr, closed.consts, dyn)
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), interp
+        out = rewriter.wrap(self.fn, in_tag)(params, *args, **kwargs)
+        return out, rewriter
 
     def __call__(self, params, *args, fp8_state: dict[str, Fp8DotState] | None = None,
                  **kwargs):
