@@ -241,6 +241,28 @@ def test_convert_to_fp8_swaps_linears_and_keeps_the_parameters():
     assert "scaling=rowwise" in repr(net[0])
 
 
+def test_convert_to_fp8_keeps_the_layers_hooks_and_identity():
+    # A user's (or HuggingFace's) hooks on a Linear keep running after the conversion.
+    class Sub(torch.nn.Linear):  # a subclass is replaced, and takes its hooks along
+        pass
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), Sub(8, 4)).eval()
+    first, seen = net[0], []
+    for m in net:
+        m.register_forward_hook(lambda mod, a, out: seen.append((type(mod).__name__, out.dtype)))
+    net[1].register_forward_pre_hook(lambda mod, a: seen.append("pre"))
+    mpfunc_torch.convert_to_fp8(net)
+    assert net[0] is first and type(first) is mpfunc_torch.Fp8Linear
+    assert type(net[1]) is mpfunc_torch.Fp8Linear and not net[1].training
+    net(torch.randn(2, 8))
+    assert seen == [("Fp8Linear", torch.float32), "pre", ("Fp8Linear", torch.float32)]
+    # A conversion that fails leaves the layer a plain, working nn.Linear.
+    layer = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="`gemm` must be"):
+        mpfunc_torch.convert_to_fp8(layer, gemm="cublas")
+    assert type(layer) is torch.nn.Linear and layer(torch.ones(1, 4)).shape == (1, 4)
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="`model` must be a torch.nn.Module"):
         mpfunc_torch.convert_to_fp8(3)

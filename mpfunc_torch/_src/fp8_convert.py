@@ -88,7 +88,28 @@ class Fp8Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
+        new.training = linear.training
         new._setup(recipe, process_group, gemm)
+        return new
+
+    @classmethod
+    def _convert(cls, linear: nn.Linear, recipe: Fp8Recipe, process_group, gemm) -> Fp8Linear:
+        """``linear`` as an `Fp8Linear`: a plain ``nn.Linear`` changes class in place (its
+        identity, hooks and attributes stay: HuggingFace's, a user's forward hooks);
+        a subclass is replaced by `from_linear`, which takes its hooks along."""
+        if type(linear) is nn.Linear:
+            linear.__class__ = cls
+            try:
+                linear._setup(recipe, process_group, gemm)
+            except BaseException:
+                linear.__class__ = nn.Linear
+                raise
+            return linear
+        new = cls.from_linear(linear, recipe, process_group=process_group, gemm=gemm)
+        for name, value in vars(linear).items():
+            if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) or (
+                    name == "_is_full_backward_hook"):
+                setattr(new, name, value)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,11 +127,13 @@ def convert_to_fp8(
     process_group: Any = None,
     gemm: str = "auto",
 ) -> nn.Module:
-    """Swaps every ``nn.Linear`` of ``model`` (in place) for an `Fp8Linear`.
+    """Turns every ``nn.Linear`` of ``model`` (in place) into an `Fp8Linear`.
 
-    The analogue of torchao's ``convert_to_float8_training``. Parameters are shared, not
-    copied, so convert before or after building the optimizer. Norms, attention,
-    softmax, embeddings and the loss are untouched.
+    The analogue of torchao's ``convert_to_float8_training``. A plain ``nn.Linear``
+    changes class in place, so it stays the same object with its hooks and attributes;
+    a subclass of it is replaced by an `Fp8Linear` that takes its hooks along.
+    Parameters are shared, not copied, so convert before or after building the
+    optimizer. Norms, attention, softmax, embeddings and the loss are untouched.
 
     Args:
       model: the model (also an ``nn.Linear`` itself, which is then returned swapped).
@@ -143,7 +166,7 @@ def convert_to_fp8(
         if isinstance(mod, nn.Linear) and not isinstance(mod, Fp8Linear) and (
             module_filter_fn is None or module_filter_fn(mod, fqn)
         ):
-            return Fp8Linear.from_linear(mod, recipe, process_group=process_group, gemm=gemm)
+            return Fp8Linear._convert(mod, recipe, process_group, gemm)
         return mod
 
     if isinstance(model, nn.Linear):
