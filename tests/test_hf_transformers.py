@@ -52,7 +52,7 @@ def half_model(mode, cfg):
 
 def compute_dtype(mode, cfg):
     """The dtype a Linear computes in under the mode."""
-    if mode == "bf16" or cfg.get("dtype") == "bfloat16":
+    if mode in ("bf16", "fp8") or cfg.get("dtype") == "bfloat16":
         return torch.bfloat16
     if cfg.get("opt_level") == "O0":
         return torch.float32
@@ -114,7 +114,8 @@ def test_generate_runs_in_the_modes_precision(name, mode, cfg):
     net = build(name).eval()
     model, _, _ = convert(net, mode, cfg)
     seen = []
-    first_linear = next(m for m in net.modules() if type(m).__name__ in ("Linear", "Conv1D"))
+    first_linear = next(m for m in net.modules()
+                        if type(m).__name__ in ("Linear", "Conv1D", "Fp8Linear"))
     first_linear.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
     prompt = data(name)[0][:2, :5]
     out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
