@@ -324,3 +324,24 @@ def test_convert_to_fp8_under_autocast_rules():
     assert sum(o.count("xf32>") == 2 for o in operands) == 3  # the fp8 emulation
     assert "f8E4M3FN" in text
     assert jax.eval_shape(f, p, x).dtype == jnp.bfloat16
+
+
+def _fp8_gpu() -> bool:
+    """A JAX GPU with fp8 GEMMs (compute capability >= 8.9); the suite's conftest
+    selects CPU unless JAX_PLATFORMS is set (e.g. ``JAX_PLATFORMS=cuda``)."""
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None)
+    if dev.platform != "gpu" or not cc:
+        return False
+    major, minor = (int(v) for v in str(cc).split(".")[:2])
+    return (major, minor) >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a JAX GPU with compute capability >= 8.9")
+def test_xla_rewrites_the_per_tensor_dot_into_a_cublaslt_fp8_gemm():  # pragma: no cover
+    # Not yet run on a GPU: it checks the README's claim that XLA turns fp8_dot's
+    # dequantise -> dot into cuBLASLt fp8 GEMMs (forward and both backward GEMMs).
+    x, w, r = data(64, 256, 128)
+    text = dot_and_grads.lower(x, w, r, "tensorwise").compile().as_text()
+    assert text.count("__cublas$lt$matmul$f8") >= 3, text[:2000]
