@@ -248,6 +248,36 @@ def test_amax_is_max_reduced_under_shard_map(check_vma):
             sharded(None)
 
 
+def test_sharded_jit_fsdp_style_uses_global_amaxes_without_axis_name():
+    # Under jit with sharded arrays (FSDP: kernel and batch split over "data") the amax
+    # is a reduction over the global array, so every device has the same state.
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    x, w, r = data(8 * 4, 32, 16)
+    x = x * np.repeat(2.0 ** np.arange(8), 4)[:, None].astype(np.float32)  # shards differ
+    recipe = mpfunc.Fp8Recipe("delayed", amax_history_len=4)
+    state = mpfunc.fp8_dot_state(recipe)
+
+    @jax.jit
+    def step(x, w, r, s):
+        def loss(w, s):
+            return jnp.sum(mpfunc.fp8_dot(x, w, recipe, s) * r)
+
+        gw, ns = jax.grad(loss, argnums=(0, 1))(w, s)
+        return mpfunc.fp8_dot(x, w, recipe, s), gw, ns
+
+    def put(a):
+        return jax.device_put(a, jax.sharding.NamedSharding(mesh, P("data")))
+
+    y_g, gw_g, ns_g = step(x, w, r, state)
+    y_s, gw_s, ns_s = step(put(x), put(w), put(r), state)
+    assert not y_s.sharding.is_fully_replicated  # it really ran sharded
+    for a, b in zip(jax.tree.leaves(ns_s), jax.tree.leaves(ns_g)):
+        np.testing.assert_array_equal(a, b)
+    assert float(ns_s.input.amax_history[0]) == float(np.abs(x).max())  # the global one
+    np.testing.assert_allclose(y_s, y_g, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gw_s, gw_g, rtol=1e-4, atol=1e-7)
+
+
 # ----------------------------------------------------------------- convert_to_fp8
 def mlp(p, x):
     h = jnp.tanh(x @ p["w1"] + p["b1"])
