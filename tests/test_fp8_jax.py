@@ -375,3 +375,32 @@ def test_xla_rewrites_the_per_tensor_dot_into_a_cublaslt_fp8_gemm():  # pragma: 
     x, w, r = data(64, 256, 128)
     text = dot_and_grads.lower(x, w, r, "tensorwise").compile().as_text()
     assert text.count("__cublas$lt$matmul$f8") >= 3, text[:2000]
+
+
+def test_the_fp8_mode_on_a_flax_linen_model():
+    # Flax's Dense kernels are converted where they reach the dot (through flax's own
+    # dtype promotion); the LayerNorm params and the bias add are not.
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.gelu(nn.LayerNorm()(nn.Dense(16)(x))))
+
+    x = jnp.asarray(data(8, 32, 4)[0])
+    variables = Net().init(jax.random.key(0), x)
+    amp = mpfunc.convert_to_amp(Net().apply, optax.adam(1e-3), mode="fp8", recipe="delayed")
+    state = amp.apply_fn.init(variables, x)
+    assert sorted(state) == ["params/Dense_0/kernel", "params/Dense_1/kernel"]
+
+    def loss(v, s):
+        return jnp.sum(amp.apply_fn(v, x, fp8_state=s) ** 2)
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(variables, state)
+    text = lowered.as_text()
+    assert "f8E4M3FN" in text and "f8E5M2" in text  # forward and backward formats
+    grads, new = lowered.compile()(variables, state)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    # flax names the outer Dense(4) first: Dense_1 is the one that reads x.
+    assert variables["params"]["Dense_1"]["kernel"].shape == (32, 16)
+    assert float(new["params/Dense_1/kernel"].input.amax_history[0]) == float(jnp.abs(x).max())
