@@ -12,7 +12,7 @@ from fp8_reference import flush, ref_cast, ref_dequantize, ref_quantize
 import mpfunc
 import mpfunc_torch
 from _mpfunc_common.fp8 import resolve_recipe
-from mpfunc_torch._src import fp8 as fp8_mod
+from mpfunc_torch._src.fused import scaled_mm_available
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +26,7 @@ def _one_torch_thread():
 
 
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
-HAS_FP8_GPU = torch.cuda.is_available() and fp8_mod.scaled_mm_available(torch.device("cuda"))
+HAS_FP8_GPU = torch.cuda.is_available() and scaled_mm_available(torch.device("cuda"))
 
 
 def qdq(a, role, recipe, scale=None):

@@ -5,8 +5,8 @@ give the same bits as ``mpfunc``'s (JAX). `fp8_linear` is an ``autograd.Function
 inputs and weights in the recipe's forward format, output gradients in its backward
 format. On CPU (and GPUs without fp8) each GEMM is emulated: dequantise, then multiply
 in float32. On CUDA with compute capability >= 8.9, per-tensor and rowwise GEMMs run on
-``torch._scaled_mm``, wrapped in one place here (`scaled_mm`); it lives in this module
-rather than ``fused.py`` because ``fused.py`` was being rewritten when fp8 landed.
+``torch._scaled_mm``, wrapped in one place with torch's other private kernels
+(`mpfunc_torch._src.fused.scaled_mm`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from _mpfunc_common.fp8 import (
     scale_shape,
 )
 from mpfunc_torch._src.distributed import normalize_groups
+from mpfunc_torch._src.fused import scaled_mm, scaled_mm_available, scaled_mm_fits
 
-__all__ = ["quantize_fp8", "dequantize_fp8", "scaled_mm", "scaled_mm_available", "fp8_linear"]
+__all__ = ["quantize_fp8", "dequantize_fp8", "fp8_linear"]
 
 _DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _F32 = torch.float32
@@ -199,51 +200,6 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block=None,
     return _flush(out).to(dtype)
 
 
-# --------------------------------------------------------------- torch._scaled_mm
-def scaled_mm_available(device: torch.device) -> bool:
-    """True on CUDA devices with compute capability >= 8.9 (Ada, Hopper and newer)."""
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``dequantize_fp8(a) @ dequantize_fp8(b).T`` on ``torch._scaled_mm`` (the one call site).
-
-    ``a`` is ``(M, K)`` and ``b`` ``(N, K)``, both fp8 with the contraction dim last;
-    ``a_scale``/``b_scale`` are `quantize_fp8`'s scales: 0-dim (tensorwise) or ``(M, 1)`` /
-    ``(N, 1)`` (rowwise). ``_scaled_mm`` wants a row-major ``a``, a column-major second
-    operand (``b.T`` of a row-major ``b``) and the reciprocal scales; rowwise needs a
-    bfloat16 output, so another ``out_dtype`` is that bfloat16 result cast; a bias is
-    fused only into a 16-bit output.
-    """
-    a = a.contiguous()
-    b = b.contiguous()
-    inv_a = torch.reciprocal(a_scale.to(_F32))
-    inv_b = torch.reciprocal(b_scale.to(_F32))
-    rowwise = a_scale.dim() > 0
-    if rowwise:
-        inv_a = inv_a.reshape(-1, 1).contiguous()
-        inv_b = inv_b.reshape(1, -1).contiguous()
-    mm_dtype = torch.bfloat16 if rowwise else out_dtype
-    # cuBLASLt takes a bias only in a 16-bit type; a float32 result adds it afterwards.
-    fused_bias = bias is not None and mm_dtype in (torch.bfloat16, torch.float16)
-    out = torch._scaled_mm(a, b.t(), inv_a, inv_b, out_dtype=mm_dtype,
-                           bias=bias.to(mm_dtype) if fused_bias else None)
-    if bias is not None and not fused_bias:
-        out = out + bias.to(out.dtype)
-    return out.to(out_dtype)
-
-
-def _scaled_mm_fits(a: torch.Tensor, b: torch.Tensor, block, out_dtype) -> bool:
-    if block is not None and block != (1, None):
-        return False  # blockwise: emulated (its cuBLAS kernels are not wrapped yet)
-    if a.dtype == b.dtype == torch.float8_e5m2:
-        return False  # cuBLASLt has no e5m2 x e5m2 GEMM (format="e5m2"): emulated
-    k, n = a.shape[1], b.shape[0]
-    return k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16, _F32)
-
-
 # ---------------------------------------------------------------- the fp8 linear
 class _Operand:
     """One quantised GEMM operand: fp8 data, scales and their block (contraction last)."""
@@ -266,7 +222,7 @@ class _Operand:
 
 def _gemm(a: _Operand, b: _Operand, out_dtype, use_scaled_mm: bool, bias=None):
     """a (M, K) @ b (N, K)^T: ``torch._scaled_mm`` where it applies, else emulated."""
-    if use_scaled_mm and _scaled_mm_fits(a.q, b.q, a.block, out_dtype):
+    if use_scaled_mm and scaled_mm_fits(a.q, b.q, a.block, out_dtype):
         return scaled_mm(a.q, a.scale, b.q, b.scale, out_dtype, bias)
     out = a.dequantized() @ b.dequantized().t()
     if bias is not None:
