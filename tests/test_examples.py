@@ -101,7 +101,8 @@ def test_compare_modes(tmp_path):
     assert (tmp_path / "compare_modes.png").stat().st_size > 10_000
     table = out.split("Cross-framework parity")[0]
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln]
-    assert "speed vs fp32 (min-max)" in rows[0] and len(rows) == 13
+    # The header and fp32 + the six default modes (fp8 included) in each framework.
+    assert "speed vs fp32 (min-max)" in rows[0] and len(rows) == 15
     for row in rows[1:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
         median, lo, hi = map(float, re.fullmatch(r"(\S+)x \((\S+)-(\S+)\)", cells[9]).groups())
