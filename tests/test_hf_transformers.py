@@ -157,3 +157,19 @@ def test_attributes_and_save_pretrained_round_trip(name, mode, cfg, tmp_path):
     model.eval(), model2.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, model2(input_ids=x).logits)
+
+
+@pytest.mark.parametrize("name, converted, left", [
+    ("gpt2", 1, 8),   # only the tied lm_head is an nn.Linear; GPT-2's Conv1D stays bf16
+    ("llama", 15, 0),
+    ("bert", 14, 0),
+])
+def test_fp8_converts_the_linear_layers(name, converted, left):
+    net = build(name)
+    lm_head = getattr(net, "lm_head", None)
+    convert(net, "fp8", {})
+    kinds = [type(m).__name__ for m in net.modules()]
+    assert (kinds.count("Fp8Linear"), kinds.count("Conv1D") + kinds.count("Linear")) == (
+        converted, left)
+    if name == "gpt2":  # converted in place: still tied to the embedding
+        assert net.lm_head is lm_head and lm_head.weight is net.get_input_embeddings().weight
