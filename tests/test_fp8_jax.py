@@ -316,6 +316,25 @@ def test_convert_to_fp8_finds_the_dense_matmuls_only():
                                   jax.jit(functools.partial(mlp_by_hand, recipe="blockwise"))(p, x))
 
 
+def test_convert_to_fp8_leaves_loop_bodies_alone():
+    # A kernel used inside a scan body is not converted (documented limit); the loop
+    # still runs as written and the matmul after it is converted.
+    p = {"w": mlp_params()["w2"][:16, :16], "v": mlp_params()["w3"][:, :16].T}
+    x = jnp.asarray(data(10, 16, 8)[0])
+
+    def f(p, x):
+        h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ p["w"]), None), x, None, length=2)
+        return h @ p["v"]
+
+    def by_hand(p, x):
+        h = jnp.tanh(jnp.tanh(x @ p["w"]) @ p["w"])
+        return mpfunc.fp8_dot(h, p["v"])
+
+    g = mpfunc.convert_to_fp8(f)
+    assert g.sites(p, x) == ["v"]
+    np.testing.assert_allclose(jax.jit(g)(p, x), jax.jit(by_hand)(p, x), rtol=1e-6, atol=1e-6)
+
+
 def test_convert_to_fp8_delayed_state_and_errors():
     p, x = mlp_params(), jnp.asarray(data(10, 32, 8)[0])
     f = mpfunc.convert_to_fp8(mlp, mpfunc.Fp8Recipe("delayed", amax_history_len=2))
