@@ -15,8 +15,10 @@ except ModuleNotFoundError as _error:
 
     raise missing_extra_error("mpfunc (the JAX package)", "jax", _error) from _error
 
+from _mpfunc_common.fp8 import Fp8Recipe
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,
+    FP8MixedPrecision,
     FP16ApexMixedPrecision,
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
@@ -24,6 +26,15 @@ from _mpfunc_common.mixed_precision import (
 from mpfunc._src.autocast import AutocastLists, autocast
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
+from mpfunc._src.fp8 import (
+    Fp8DotState,
+    Fp8Meta,
+    dequantize_fp8,
+    fp8_dot,
+    fp8_dot_state,
+    quantize_fp8,
+)
+from mpfunc._src.fp8_convert import Fp8Function, convert_to_fp8
 from mpfunc._src.loss_scale import (
     LossScaleState,
     all_finite,
@@ -53,9 +64,14 @@ __all__ = [
     "AmpSetup",
     "AutocastLists",
     "BF16MixedPrecision",
+    "FP8MixedPrecision",
     "FP16ApexMixedPrecision",
     "FP16NaiveMixedPrecision",
     "FP16TorchMixedPrecision",
+    "Fp8DotState",
+    "Fp8Function",
+    "Fp8Meta",
+    "Fp8Recipe",
     "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",
@@ -68,7 +84,11 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "convert_to_amp",
+    "convert_to_fp8",
+    "dequantize_fp8",
     "dynamic_scale",
+    "fp8_dot",
+    "fp8_dot_state",
     "get_policy",
     "global_norm",
     "half_dtype",
@@ -79,6 +99,7 @@ __all__ = [
     "nnx_apply_policy",
     "no_scale",
     "norm_classes",
+    "quantize_fp8",
     "scale_loss",
     "scale_metrics",
     "state_sharding",

@@ -14,13 +14,17 @@ except ModuleNotFoundError as _error:
 
     raise missing_extra_error("mpfunc_torch (the PyTorch package)", "torch", _error) from _error
 
+from _mpfunc_common.fp8 import Fp8Recipe
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,
+    FP8MixedPrecision,
     FP16ApexMixedPrecision,
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
 )
 from mpfunc_torch._src.booster import backward, boost
+from mpfunc_torch._src.fp8 import dequantize_fp8, quantize_fp8
+from mpfunc_torch._src.fp8_convert import Fp8Linear, convert_to_fp8
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.model import AmpCriterion, AmpModel, is_norm_module
 from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
@@ -34,12 +38,18 @@ __all__ = [
     "AmpModel",
     "AmpOptimizer",
     "BF16MixedPrecision",
+    "FP8MixedPrecision",
     "FP16ApexMixedPrecision",
     "FP16NaiveMixedPrecision",
     "FP16TorchMixedPrecision",
+    "Fp8Linear",
+    "Fp8Recipe",
     "LossScaler",
     "backward",
     "boost",
     "convert_to_amp",
+    "convert_to_fp8",
+    "dequantize_fp8",
     "is_norm_module",
+    "quantize_fp8",
 ]
