@@ -5,21 +5,20 @@ weights, and the torch / apex-like / naive / bf16 AMP modes.
 """
 
 from mpfunc._src.autocast import AutocastLists, autocast
+from mpfunc._src.distributed import all_finite
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
 from mpfunc._src.loss_scale import (
     LossScaleState,
-    all_finite,
+    ScaledValueAndGrad,
     chain,
     dynamic_scale,
-    loss_scale,
     no_scale,
-    scale_loss,
-    scale_metrics,
     static_scale,
 )
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
 from mpfunc._src.policy import Policy, cast_floating, get_policy
+from mpfunc._src.scale_state import loss_scale, scale_loss, scale_metrics, value_and_grad
 
 __version__ = "0.1.0"
 
@@ -30,6 +29,7 @@ __all__ = [
     "LossScaleState",
     "MasterWeightsState",
     "Policy",
+    "ScaledValueAndGrad",
     "all_finite",
     "autocast",
     "cast_floating",
@@ -47,4 +47,5 @@ __all__ = [
     "scale_loss",
     "scale_metrics",
     "static_scale",
+    "value_and_grad",
 ]

@@ -275,12 +275,12 @@ class TestWrapper:
         assert float(optax.tree.norm(updates)) > 0
         assert float(mpfunc.loss_scale(state)) == 2.0**17  # interval 1: grew once
         infs = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), params)
-        inner_before = mpfunc._src.loss_scale._find_states(state)[0].inner_state
+        inner_before = mpfunc._src.scale_state._find_states(state)[0].inner_state
         _, state = step(ones, state, params)
         updates, state = step(infs, state, params)  # the accumulated batch overflows
         chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
         chex.assert_trees_all_equal(
-            mpfunc._src.loss_scale._find_states(state)[0].inner_state, inner_before)
+            mpfunc._src.scale_state._find_states(state)[0].inner_state, inner_before)
         assert float(mpfunc.loss_scale(state)) == 2.0**16
 
     def test_optax_multisteps_reset_keeps_nan_after_an_overflow(self):
@@ -374,11 +374,12 @@ class TestState:
     def test_state_fields_and_dtypes(self):
         _, _, state = adam_setup()
         assert state._fields == ("loss_scale", "growth_tracker", "hysteresis_left",
-                                 "skipped_steps", "last_finite", "inner_state")
+                                 "skipped_steps", "consecutive_skips", "last_finite", "inner_state")
         assert state.loss_scale.dtype == jnp.float32
         assert state.growth_tracker.dtype == jnp.int32
         assert state.hysteresis_left.dtype == jnp.int32
         assert state.skipped_steps.dtype == jnp.int32
+        assert state.consecutive_skips.dtype == jnp.int32
         assert state.last_finite.dtype == jnp.bool_
 
     def test_jit_compiles_once_across_steps(self):

@@ -13,7 +13,7 @@ import optax
 
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
 from mpfunc._src.autocast import autocast
-from mpfunc._src.loss_scale import _scale_transform
+from mpfunc._src.loss_scale import _scale_transform, as_transformation
 from mpfunc._src.master_weights import master_weights
 from mpfunc._src.policy import Policy
 
@@ -150,9 +150,7 @@ def convert_to_amp(
     """
     if not callable(apply_fn):
         raise TypeError(f"`apply_fn` must be callable, got {type(apply_fn).__name__}.")
-    if not isinstance(optimizer, optax.GradientTransformation | optax.GradientTransformationExtraArgs):
-        raise TypeError("`optimizer` must be an optax GradientTransformation, got "
-                        f"{type(optimizer).__name__}.")
+    optimizer = as_transformation(optimizer, "optimizer")
     plan = resolve_amp(mode, config)
     if plan.verbose:  # apex's verbosity / naive's verbose, as on the torch side
         print(f"mpfunc.convert_to_amp: {plan.describe()}")
