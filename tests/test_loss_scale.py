@@ -1,5 +1,6 @@
 """Tests for mpfunc._src.loss_scale: the rule, the transforms, sharding, multi-process."""
 
+import functools
 import json
 import os
 import pickle
@@ -27,11 +28,9 @@ from mpfunc._src.loss_scale import _scale_transform
 MAX_STEPS = 128  # keeps every reference scale a normal float32 (see the apex note)
 
 
-def trajectory(opt, finite_seq):
-    """Scale after each step of ``opt`` fed a 2-leaf gradient, inf where not finite."""
+def _scan_scales(opt):
+    """A jitted run of ``opt`` over a boolean sequence: the scale after each step."""
     params = {"a": jnp.ones((3,), jnp.float32), "b": jnp.ones((2,), jnp.float16)}
-    n = len(finite_seq)
-    seq = jnp.asarray(list(finite_seq) + [True] * (MAX_STEPS - n))
 
     @jax.jit
     def run(seq):
@@ -43,6 +42,23 @@ def trajectory(opt, finite_seq):
 
         return jax.lax.scan(body, opt.init(params), seq)[1]
 
+    return run
+
+
+@functools.cache
+def _cached_run(kwargs):
+    return _scan_scales(mpfunc.dynamic_scale(**dict(kwargs)))
+
+
+def trajectory(opt, finite_seq):
+    """Scale after each step of ``opt`` fed a 2-leaf gradient, inf where not finite.
+
+    ``opt`` is a transformation, or a dict of `dynamic_scale` keywords (compiled once per
+    distinct dict, which keeps the hypothesis tests fast).
+    """
+    run = _cached_run(tuple(sorted(opt.items()))) if isinstance(opt, dict) else _scan_scales(opt)
+    n = len(finite_seq)
+    seq = jnp.asarray(list(finite_seq) + [True] * (MAX_STEPS - n))
     return np.asarray(run(seq))[:n]
 
 
@@ -57,19 +73,19 @@ def assert_bitwise(ours, ref):
 class TestAnchors:
     @given(seqs, st.integers(1, 6))
     def test_torch_gradscaler(self, seq, interval):
-        ours = trajectory(mpfunc.dynamic_scale(preset="torch", growth_interval=interval), seq)
+        ours = trajectory(dict(preset="torch", growth_interval=interval), seq)
         assert_matches_anchor(ours, torch_gradscaler(seq, interval=interval))
 
     @given(seqs, st.integers(1, 6))
     def test_torch_gradscaler_with_the_smallest_floor(self, seq, interval):
         # min_scale=2**-126: GradScaler's trajectory exactly, down to the smallest normal.
-        opt = mpfunc.dynamic_scale(growth_interval=interval, min_scale=2.0**-126)
+        opt = dict(growth_interval=interval, min_scale=2.0**-126)
         assert_matches_anchor(trajectory(opt, seq), torch_gradscaler(seq, interval=interval),
                               floor=2.0**-126)
 
     @given(seqs)
     def test_torch_preset_defaults(self, seq):
-        assert_matches_anchor(trajectory(mpfunc.dynamic_scale(), seq), torch_gradscaler(seq))
+        assert_matches_anchor(trajectory({}, seq), torch_gradscaler(seq))
 
     def test_long_overflow_runs_stop_at_the_floor(self):
         # 142 overflows from 2**16 took the old, unfloored rule to exactly 0 on CPU.
@@ -81,10 +97,7 @@ class TestAnchors:
     @given(seqs, st.integers(1, 6), st.sampled_from([None, 1.0, 2.0**-3, 2.0**10]),
            st.sampled_from([2.0**24, 2.0**17, 2.0**14]))
     def test_apex_loss_scaler(self, seq, window, min_s, max_s):
-        opt = mpfunc.dynamic_scale(
-            preset="apex", growth_interval=window, max_scale=max_s,
-            min_scale=min_s if min_s is not None else None,
-        )
+        opt = dict(preset="apex", growth_interval=window, max_scale=max_s, min_scale=min_s)
         if min_s is not None and min_s > min(2.0**16, max_s):
             return
         ref = apex_loss_scaler(seq, min_loss_scale=min_s, max_loss_scale=max_s, window=window)
@@ -92,20 +105,19 @@ class TestAnchors:
 
     @given(seqs)
     def test_apex_preset_defaults(self, seq):
-        assert_matches_anchor(trajectory(mpfunc.dynamic_scale(preset="apex"), seq),
+        assert_matches_anchor(trajectory(dict(preset="apex"), seq),
                               apex_loss_scaler(seq))
 
     @given(seqs, st.integers(1, 6), st.integers(1, 4), st.sampled_from([1.0, 2.0**20]))
     def test_megatron_scaler(self, seq, interval, hysteresis, min_s):
-        opt = mpfunc.dynamic_scale(
-            preset="naive", growth_interval=interval, hysteresis=hysteresis, min_scale=min_s
-        )
+        opt = dict(preset="naive", growth_interval=interval, hysteresis=hysteresis,
+                   min_scale=min_s)
         ref = megatron_scaler(seq, interval=interval, hysteresis=hysteresis, min_scale=min_s)
         assert_bitwise(trajectory(opt, seq), ref)
 
     @given(seqs)
     def test_naive_preset_defaults(self, seq):
-        assert_bitwise(trajectory(mpfunc.dynamic_scale(preset="naive"), seq), megatron_scaler(seq))
+        assert_bitwise(trajectory(dict(preset="naive"), seq), megatron_scaler(seq))
 
     def test_hysteresis_refills_only_on_growth(self):
         # hysteresis 2, interval 3: F ok ok F -> the second overflow backs off because the

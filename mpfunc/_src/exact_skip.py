@@ -72,6 +72,77 @@ def _select(finite: jax.Array, new: Any, old: Any) -> Any:
     return jax.lax.select(jnp.broadcast_to(finite, jnp.shape(old)), new, old)
 
 
+# Calls whose body is evaluated inline, so the select reaches the ops inside them.
+_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def _redirects(jaxpr, targets: dict[int, Any]) -> dict[Any, Any]:
+    """The values of ``jaxpr`` to select where they are produced: ``{var: old leaf}``.
+
+    ``targets`` maps output positions to the old state leaf each must equal on a skip.
+    A value qualifies if an op of this jaxpr produces it (not an input, constant or
+    literal), it has its old leaf's shape and dtype, and no other target claims it.
+    """
+    produced = {v for eqn in jaxpr.eqns for v in eqn.outvars}
+    claims: dict[Any, list] = {}
+    for k, old in targets.items():
+        v = jaxpr.outvars[k]
+        if not isinstance(v, Literal):
+            claims.setdefault(v, []).append(old)
+    out = {}
+    for v, olds in claims.items():
+        old = olds[0]
+        if (len(olds) == 1 and v in produced and _is_array(old)
+                and tuple(v.aval.shape) == tuple(jnp.shape(old))
+                and v.aval.dtype == old.dtype):
+            out[v] = old
+    return out
+
+
+def _eval(jaxpr, consts, args, finite, targets: dict[int, Any]) -> list:
+    """Evaluates ``jaxpr``; every output in ``targets`` comes back as
+    ``where(finite, value, old)``, selected where it is produced when possible."""
+    redirect = _redirects(jaxpr, targets)
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        inner = {k: redirect[v] for k, v in enumerate(eqn.outvars) if v in redirect}
+        prim, params = eqn.primitive, dict(eqn.params)
+        if inner and prim.name in _INLINE and hasattr(params.get("jaxpr"), "jaxpr"):
+            cj = params["jaxpr"]
+            outs = _eval(cj.jaxpr, cj.consts, invals, finite, inner)
+        else:
+            outs = _bind_with_subprograms(prim, invals, params)
+            if not prim.multiple_results:
+                outs = [outs]
+            outs = [_select(finite, o, inner[k]) if k in inner else o
+                    for k, o in enumerate(outs)]
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    outs = [read(v) for v in jaxpr.outvars]
+    return [o if k not in targets or jaxpr.outvars[k] in redirect
+            else _select(finite, o, targets[k]) for k, o in enumerate(outs)]
+
+
+def _check_structure(new_state: Any, state: Any) -> None:
+    new_tree = jax.tree_util.tree_structure(new_state)
+    old_tree = jax.tree_util.tree_structure(state)
+    if new_tree != old_tree:
+        raise TypeError(
+            "the wrapped transformation's `update` returned a state whose structure "
+            f"differs from the state it was given:\n  given:    {old_tree}\n  returned: "
+            f"{new_tree}\nAn exact skip needs the same structure on both paths."
+        )
+
+
 def skip_update(
     update_fn: Callable,
     finite: jax.Array,
@@ -88,8 +159,8 @@ def skip_update(
       update_fn: an optax ``update`` (with extra-args support).
       finite: a bool scalar.
       grads, state, params, extra_args: its arguments.
-      fused: redirect the select to where each state leaf is produced (see the module
-        docstring); False selects on the outputs only (the reference implementation).
+      fused: select where each state leaf is produced (see the module docstring); False
+        selects on the outputs only (the reference implementation).
 
     Returns:
       ``(updates, new_state)``. On a skip the updates are ``-0.0`` (in the dtype
@@ -100,8 +171,12 @@ def skip_update(
       TypeError: ``update_fn`` returns a state whose tree structure differs from
         ``state``'s.
     """
-    args = (grads, state, params, extra_args)
-    leaves, treedef = jax.tree_util.tree_flatten(args)
+    if not fused:
+        updates, new_state = update_fn(grads, state, params, **extra_args)
+        _check_structure(new_state, state)
+        return (jax.tree_util.tree_map(lambda u: _select(finite, u, neg_zeros_like(u)), updates),
+                jax.tree_util.tree_map(lambda n, o: _select(finite, n, o), new_state, state))
+    leaves, treedef = jax.tree_util.tree_flatten((grads, state, params, extra_args))
     dyn_idx = [i for i, x in enumerate(leaves) if _is_array(x) or isinstance(x, jax.core.Tracer)]
 
     def flat_fn(*dyn):
@@ -112,68 +187,24 @@ def skip_update(
         return update_fn(g, s, p, **kw)
 
     dyn = [leaves[i] for i in dyn_idx]
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
-    upd_shape, state_shape = out_shape
+    closed, (upd_shape, state_shape) = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+    _check_structure(state_shape, state)
     old_leaves, state_tree = jax.tree_util.tree_flatten(state)
-    new_tree = jax.tree_util.tree_structure(state_shape)
-    if new_tree != state_tree:
-        raise TypeError(
-            "the wrapped transformation's `update` returned a state whose structure "
-            f"differs from the state it was given:\n  given:    {state_tree}\n  returned: "
-            f"{new_tree}\nAn exact skip needs the same structure on both paths."
-        )
-    jaxpr = closed.jaxpr
     n_upd = len(jax.tree_util.tree_leaves(upd_shape))
-    state_out = jaxpr.outvars[n_upd:]
-
-    # Which jaxpr values to select where they are produced.
-    redirect: dict[Any, Any] = {}
-    if fused and not closed.effects:
-        produced = {v for eqn in jaxpr.eqns for v in eqn.outvars}
-        counts: dict[Any, int] = {}
-        for v in state_out:
-            if not isinstance(v, Literal):
-                counts[v] = counts.get(v, 0) + 1
-        for v, old in zip(state_out, old_leaves):
-            if (
-                not isinstance(v, Literal)
-                and v in produced
-                and counts[v] == 1
-                and _is_array(old)
-                and tuple(v.aval.shape) == tuple(jnp.shape(old))
-                and v.aval.dtype == old.dtype
-            ):
-                redirect[v] = old
-
-    env: dict[Any, Any] = {}
-
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for v, c in zip(jaxpr.constvars, closed.consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, dyn):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        outs = _bind_with_subprograms(eqn.primitive, [read(v) for v in eqn.invars],
-                                      dict(eqn.params))
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = _select(finite, o, redirect[v]) if v in redirect else o
-
-    upd_leaves = [read(v) for v in jaxpr.outvars[:n_upd]]
-    new_leaves = []
-    for v, old in zip(state_out, old_leaves):
-        val = read(v)
-        new_leaves.append(val if v in redirect else _select(finite, val, old))
+    targets = {n_upd + i: old for i, old in enumerate(old_leaves)}
+    if closed.effects:  # side effects (callbacks) run once, as written
+        outs = jax.tree_util.tree_leaves(flat_fn(*dyn))
+        outs = [_select(finite, o, targets[k]) if k in targets else o
+                for k, o in enumerate(outs)]
+    else:
+        outs = _eval(closed.jaxpr, closed.consts, dyn, finite, targets)
     upd_leaves = [
         jax.lax.select(jnp.broadcast_to(finite, jnp.shape(u)), u, neg_zeros_like(u))
         if _is_array(u) else u
-        for u in upd_leaves
+        for u in outs[:n_upd]
     ]
     updates = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(upd_shape), upd_leaves)
-    return updates, jax.tree_util.tree_unflatten(state_tree, new_leaves)
+    return updates, jax.tree_util.tree_unflatten(state_tree, outs[n_upd:])
 
 
 def cond_skip_update(
@@ -183,9 +214,7 @@ def cond_skip_update(
 
     def apply(_):
         u, s = update_fn(grads, state, params, **extra_args)
-        if jax.tree_util.tree_structure(s) != jax.tree_util.tree_structure(state):
-            raise TypeError("the wrapped transformation's `update` returned a state whose "
-                            "structure differs from the state it was given.")
+        _check_structure(s, state)
         return u, jax.tree_util.tree_map(
             lambda a, b: a.astype(b.dtype) if _is_array(b) and a.dtype != b.dtype else a,
             s, state)
