@@ -7,7 +7,8 @@ it, at three depths of an MLP (width 256, two leaves per layer), all compiled as
 * peak memory: XLA's ``memory_analysis()`` of the compiled step, arguments + outputs +
   temporaries - aliased (donated) bytes. Deterministic.
 * compile time: ``lower`` + ``compile``, the minimum over ``--compile-repeats``.
-* step time: median over interleaved rounds (A B C ... A B C ...).
+* step time: the fastest of interleaved rounds (A B C ... A B C ...), which on a shared
+  machine is the round no other process interrupted (the median is in the JSON).
 
     python benchmarks/jax_scale_cost.py [--depths 8 24 96] [--batch 32] [--json F]
 """
@@ -179,11 +180,11 @@ def measure(variants, depth, batch, compile_repeats, rounds, iters):
             lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, t)
         params = fresh(cast(params32))
         state = fresh(init(params))
-        jitted = jax.jit(step, donate_argnums=(0, 1))
         times = []
         for _ in range(compile_repeats):
+            jax.clear_caches()  # or the repeats would hit jax's compilation cache
             t0 = time.perf_counter()
-            compiled = jitted.lower(params, state, x).compile()
+            compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
             times.append(time.perf_counter() - t0)
         m = compiled.memory_analysis()
         peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -203,7 +204,10 @@ def measure(variants, depth, batch, compile_repeats, rounds, iters):
             t.append((time.perf_counter() - t0) / iters)
             run[1], run[2] = p, s
     for name, row in rows.items():
-        row["step_ms"] = statistics.median(runs[name][3]) * 1e3
+        # The minimum over rounds: on a shared machine, the rounds that other processes
+        # did not interrupt. The median is kept too.
+        row["step_ms"] = min(runs[name][3]) * 1e3 if rounds else float("nan")
+        row["step_ms_median"] = statistics.median(runs[name][3]) * 1e3 if rounds else None
     for row in rows.values():
         if row["baseline"] is not None:
             b = rows[row["baseline"]]
@@ -238,8 +242,8 @@ def to_markdown(r):
     out = [
         f"Device: {r['device']}; jax {r['versions']['jax']}, optax {r['versions']['optax']}; "
         f"MLP width {r['width']}, batch {r['batch']}; donated step. Each cell: peak memory "
-        "/ compile time / step time, as ratios to the row's baseline (plain Adam, or the "
-        "same mode without loss scaling).",
+        "/ compile time" + (" / step time" if r["rounds"] else "") + ", as ratios to the "
+        "row's baseline (plain Adam, or the same mode without loss scaling).",
         "",
         f"| step | baseline | {head} |",
         "| --- | --- | " + " | ".join("---" for _ in depths) + " |",
@@ -248,12 +252,13 @@ def to_markdown(r):
         cells = []
         for d in depths:
             row = d["rows"][name]
+            timed = r["rounds"] > 0
             if row["baseline"] is None:
                 cells.append(f"{row['peak_bytes'] / 2**20:.1f} MiB / {row['compile_s']:.2f} s"
-                             f" / {row['step_ms']:.2f} ms")
+                             + (f" / {row['step_ms']:.2f} ms" if timed else ""))
             else:
-                cells.append(f"{row['peak_ratio']:.3f}x / {row['compile_ratio']:.2f}x / "
-                             f"{row['step_ratio']:.2f}x")
+                cells.append(f"{row['peak_ratio']:.3f}x / {row['compile_ratio']:.2f}x"
+                             + (f" / {row['step_ratio']:.2f}x" if timed else ""))
         out.append(f"| {name} | {row0['baseline'] or '-'} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -263,7 +268,7 @@ def main(argv=None):
     ap.add_argument("--depths", type=int, nargs="+", default=[8, 24, 96])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--compile-repeats", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=15, help="0: no step timing")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=None, help="variant names (and baselines)")
     ap.add_argument("--json", default=None, help="also write the result here")

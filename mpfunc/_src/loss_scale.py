@@ -20,6 +20,7 @@ from _mpfunc_common.scale_config import (
 )
 from mpfunc._src.distributed import AxisName, all_finite, check_axis_name
 from mpfunc._src.exact_skip import cond_skip_update, neg_zeros_like, skip_update
+from mpfunc._src.scale_rule import check_inner_state, next_scale
 
 __all__ = [
     "LossScaleState",
@@ -122,54 +123,6 @@ def _cast_like(tree: Any, like: Any) -> Any:
     )
 
 
-def _check_inner_state(inner, state: LossScaleState, like: Any) -> None:
-    """At trace time (free at run time): the inner state has the structure and shapes
-    that ``inner.init`` gives, so a state from another optimizer fails clearly."""
-    expected = jax.eval_shape(inner.init, like)
-    got = jax.tree_util.tree_structure(state.inner_state)
-    want = jax.tree_util.tree_structure(expected)
-    shapes = lambda t: [jnp.shape(x) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
-    if got != want or shapes(state.inner_state) != shapes(expected):
-        raise ValueError(
-            "`state.inner_state` does not match this transformation's inner optimizer: "
-            f"expected {want}, got {got} (with leaf shapes {shapes(state.inner_state)}, "
-            f"expected {shapes(expected)}). Was the state made by a different optimizer, "
-            "or for different params? Create it with this transformation's `init`."
-        )
-
-
-def _next_scale(cfg: ScaleConfig, state: LossScaleState, finite: jax.Array):
-    """One step of the update rule (`UPDATE_RULE`), without branching in Python.
-
-    A restored state's trackers are clamped into their ranges first (a scale into
-    ``[min_scale, max_scale]``, NaN to ``min_scale``; ``growth_tracker`` into
-    ``[0, growth_interval - 1]``; ``hysteresis_left`` into ``[0, hysteresis]``). States
-    this transformation made are always in range, so this never changes their trajectory.
-    """
-    f32 = jnp.float32
-    hi = cfg.max_scale if np.isfinite(cfg.max_scale) else FLOAT32_MAX
-    scale = jnp.clip(state.loss_scale, f32(cfg.min_scale), f32(hi))
-    scale = jnp.where(jnp.isnan(state.loss_scale), f32(cfg.min_scale), scale)
-    tracker = jnp.clip(state.growth_tracker, 0, cfg.growth_interval - 1)
-    hyst = jnp.clip(state.hysteresis_left, 0, cfg.hysteresis)
-    # Overflow branch.
-    hyst_after = jnp.maximum(hyst - 1, 0)
-    backed = jnp.maximum(scale * f32(cfg.backoff_factor), f32(cfg.min_scale))
-    over_scale = jnp.where(hyst_after == 0, backed, scale)
-    # Clean branch.
-    tracker = tracker + 1
-    grow = tracker == cfg.growth_interval
-    grown = jnp.minimum(scale * f32(cfg.growth_factor), f32(cfg.max_scale))
-    clean_scale = jnp.where(grow & jnp.isfinite(grown), grown, scale)
-    clean_tracker = jnp.where(grow, 0, tracker)
-    clean_hyst = jnp.where(grow, jnp.int32(cfg.hysteresis), hyst)
-    return (
-        jnp.where(finite, clean_scale, over_scale),
-        jnp.where(finite, clean_tracker, 0).astype(jnp.int32),
-        jnp.where(finite, clean_hyst, hyst_after).astype(jnp.int32),
-    )
-
-
 def _scale_transform(
     inner: Any,
     *,
@@ -219,7 +172,7 @@ def _scale_transform(
             inv = (jnp.float32(1.0) / state.loss_scale) if unscale else None
             grads, like = _unscale(updates, inv), updates
         if inner is not None:
-            _check_inner_state(inner, state, params if params is not None else grads)
+            check_inner_state(inner, state, params if params is not None else grads)
         finite = all_finite(grads, axis_name)
 
         if inner is None:
@@ -237,7 +190,7 @@ def _scale_transform(
         new_updates = _cast_like(new_updates, like)
 
         if cfg is not None:
-            scale, tracker, hyst = _next_scale(cfg, state, finite)
+            scale, tracker, hyst = next_scale(cfg, state, finite)
         else:
             scale, tracker, hyst = jnp.float32(static_value), jnp.int32(0), jnp.int32(1)
         skipped = jnp.maximum(state.skipped_steps, 0)
