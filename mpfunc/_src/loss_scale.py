@@ -260,6 +260,8 @@ _DYNAMIC_DOC = """Dynamic loss scaling as an optax transformation.
       ``mpfunc.chain(dynamic_scale(), optax.adam(1e-3))`` instead: it is ``optax.chain``
       with the rest of the chain moved inside the scale link (the wrapper form).
 
+    ``update`` takes the scaled gradients of ``scale_loss(loss, state)``, or the
+    `ScaledValueAndGrad` that `mpfunc.value_and_grad` returns (already unscaled).
     Updates are returned in the dtype of the incoming gradients. A state restored from
     another configuration has its trackers clamped into this one's ranges; a state from
     another inner optimizer is a ``ValueError`` when ``update`` is traced.
