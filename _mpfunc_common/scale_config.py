@@ -121,7 +121,7 @@ def as_python_number(name: str, value, *, integer: bool = False):
     Raises:
       TypeError: naming ``name``, the expected type and what was found.
     """
-    if isinstance(value, bool) or isinstance(value, str | bytes):
+    if isinstance(value, bool | str | bytes):
         kind = "an int" if integer else "a real number"
         raise TypeError(f"`{name}` must be {kind}, got {type(value).__name__}: {value!r}.")
     if not isinstance(value, numbers.Real):

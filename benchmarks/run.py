@@ -2,9 +2,10 @@
 
 Runs, in order: the JAX loss-scale overhead (plain Adam / mpfunc / lax.cond variant /
 manual jmp-style loop), what an exact skip costs in peak memory, compile time and step
-time (every scaling form and mode, three depths), the torch modes (fp32 / raw torch.amp / every mpfunc_torch
-mode), and the unscale-and-check bandwidth. Each section records its device, software
-versions, the command and the date.
+time (every scaling form and mode, three depths), the torch modes (fp32 / raw
+torch.amp / every mpfunc_torch mode), the unscale-and-check bandwidth, and the JAX
+FSDP bytes per device. Each section records its device, software versions, the
+command and the date.
 
     python benchmarks/run.py [--device cpu|cuda] [--out out]
 """
@@ -15,6 +16,7 @@ import argparse
 import datetime
 import json
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax_loss_scale  # noqa: E402
 import jax_scale_cost  # noqa: E402
+import jax_sharding  # noqa: E402
 import torch_modes  # noqa: E402
 import unscale_bandwidth  # noqa: E402
 
@@ -60,6 +63,14 @@ def main(argv=None):
                     + "\n".join(f"- {fw}: {v['unscale_GBps']:.1f} GB/s, {v['fraction_of_copy']:.2f} of copy "
                                 f"({v['copy_GBps']:.1f} GB/s)" for fw, v in
                                 ((k, r[k]) for k in ("torch", "jax"))))
+    # Its own process: it needs 8 forced CPU devices, set before jax is imported.
+    dev = "gpu" if args.device == "cuda" else "cpu"
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("jax_sharding.py")),
+                           "--device", dev, "--json"], capture_output=True, text=True, check=True)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    results["jax_sharding"] = r
+    sections.append("## JAX FSDP: master-weight bytes per device\n\nCommand: `python "
+                    f"benchmarks/jax_sharding.py --device {dev}`\n\n{jax_sharding.to_markdown(r)}")
     md = f"# Benchmarks ({header})\n\n" + "\n\n".join(sections) + "\n"
     (out / "benchmarks.md").write_text(md)
     (out / "benchmarks.json").write_text(json.dumps(results, indent=2))

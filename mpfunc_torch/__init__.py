@@ -3,16 +3,28 @@
 `convert_to_amp` offers the torch, apex-like (O0-O3), naive and bf16 modes, with the
 same loss-scale rule and presets as the JAX package (`LossScaler`), exact skips, and an
 inf check reduced over the process groups you name.
+
+Needs the `torch` extra (``pip install 'mpfunc[torch]'``); it never imports JAX.
 """
 
-from mpfunc_torch._src.amp import (
-    AMP_TYPE,
-    AmpCriterion,
-    AmpModel,
-    AmpOptimizer,
-    convert_to_amp,
+try:  # a missing framework names the extra to install, not a bare "No module named"
+    import torch  # noqa: F401
+except ModuleNotFoundError as _error:
+    from _mpfunc_common.extras import missing_extra_error
+
+    raise missing_extra_error("mpfunc_torch (the PyTorch package)", "torch", _error) from _error
+
+from _mpfunc_common.mixed_precision import (
+    BF16MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
 )
-from mpfunc_torch._src.scaler import LossScaler
+from mpfunc_torch._src.booster import backward, boost
+from mpfunc_torch._src.loss_scale import LossScaler
+from mpfunc_torch._src.model import AmpCriterion, AmpModel, is_norm_module
+from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
+from mpfunc_torch._src.optimizer import AmpOptimizer
 
 __version__ = "0.1.0"
 
@@ -21,6 +33,13 @@ __all__ = [
     "AmpCriterion",
     "AmpModel",
     "AmpOptimizer",
+    "BF16MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "LossScaler",
+    "backward",
+    "boost",
     "convert_to_amp",
+    "is_norm_module",
 ]

@@ -6,6 +6,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import mpfunc_torch
+
 CONTEXT, VOCAB = 8, 128
 
 
@@ -46,3 +48,63 @@ class CharMLP(torch.nn.Module):
 def make_model(seed=0, **kw):
     torch.manual_seed(seed)
     return CharMLP(**kw)
+
+
+ALL_MODES = [
+    ("torch", {}),
+    ("torch", {"dtype": "bfloat16"}),
+    ("apex", {"opt_level": "O0", "verbosity": 0}),
+    ("apex", {"opt_level": "O1", "verbosity": 0}),
+    ("apex", {"opt_level": "O2", "verbosity": 0}),
+    ("apex", {"opt_level": "O3", "verbosity": 0}),
+    ("naive", {"initial_scale": 2.0**16}),
+    ("bf16", {}),
+]
+ids = [f"{m}-{c.get('opt_level', c.get('dtype', ''))}" for m, c in ALL_MODES]
+
+
+def is_o3(cfg):
+    return cfg.get("opt_level") == "O3"
+
+
+def make_opt(params, kind="adam", fused=True):
+    # O3 keeps optimizer state in float16 too, where Adam's second moment underflows to
+    # zero; apex calls O3 a speed baseline. Its runs use SGD with momentum instead.
+    if kind == "sgd":  # fused SGD on CPU mishandles half params: see the guard's test
+        return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    return torch.optim.Adam(params, lr=3e-3, fused=fused)
+
+
+def train(mode, cfg, steps=60, fused=True, data=None, seed=0, kind=None):
+    net = make_model(seed)
+    kind = kind or ("sgd" if is_o3(cfg) else "adam")
+    opt = make_opt(net.parameters(), kind, fused)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, opt, torch.nn.CrossEntropyLoss(), mode=mode, **cfg)
+    losses = []
+    for x, y in (data or batches(steps)):
+        opt.zero_grad()
+        loss = crit(model(x), y)
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+_FP32 = {}
+
+
+def fp32_losses(kind):
+    if kind not in _FP32:
+        _FP32[kind] = train("torch", {"enabled": False}, kind=kind)[2]
+    return _FP32[kind]
+
+
+def tiny_model(seed=0, n=6):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Tanh(), torch.nn.Linear(n, 1))
+
+
+def tiny_batch(seed=0, n=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, n, generator=g), torch.randn(16, 1, generator=g)

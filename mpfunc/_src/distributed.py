@@ -26,6 +26,7 @@ def _is_name(x: Any) -> bool:
         x is not None
         and not isinstance(x, numbers.Number | bool | np.number | np.bool_)
         and isinstance(x, Hashable)
+        and not (isinstance(x, str) and not x)  # '' is never a mesh axis
     )
 
 
@@ -45,7 +46,8 @@ def check_axis_name(axis_name: Any, name: str = "axis_name") -> AxisName:
             return tuple(axis_name)
     raise TypeError(
         f"`{name}` must be None, a mesh axis name (e.g. 'data') or a non-empty tuple of "
-        f"names (e.g. ('data', 'model')), got {type(axis_name).__name__}: {axis_name!r}."
+        f"names (e.g. ('data', 'model')), got {type(axis_name).__name__}: {axis_name!r}. "
+        "Pass the names your `shard_map`/`pmap` uses."
     )
 
 

@@ -41,7 +41,7 @@ try:  # jax >= 0.4.30 exposes these publicly here
 except ImportError:  # pragma: no cover
     from jax.core import Literal  # type: ignore
 
-from mpfunc._src.autocast import _bind_with_subprograms
+from mpfunc._src.rewrite import bind_with_subprograms
 
 __all__ = ["cond_skip_update", "neg_zeros_like", "skip_update"]
 
@@ -120,7 +120,7 @@ def _eval(jaxpr, consts, args, finite, targets: dict[int, Any]) -> list:
             cj = params["jaxpr"]
             outs = _eval(cj.jaxpr, cj.consts, invals, finite, inner)
         else:
-            outs = _bind_with_subprograms(prim, invals, params)
+            outs = bind_with_subprograms(prim, invals, params)
             if not prim.multiple_results:
                 outs = [outs]
             outs = [_select(finite, o, inner[k]) if k in inner else o

@@ -1,0 +1,256 @@
+"""`convert_to_amp`: the torch / apex-like / naive / bf16 modes for PyTorch."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from _mpfunc_common.amp_config import resolve_amp
+from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
+from mpfunc_torch._src.distributed import normalize_groups
+from mpfunc_torch._src.master_weights import (
+    follow_model_loads,
+    keep_half_masters,
+    make_masters,
+)
+from mpfunc_torch._src.model import (
+    DTYPES,
+    HALF,
+    AmpCriterion,
+    AmpModel,
+    cast_model,
+    is_norm_module,
+    refuse_converted_model,
+    refuse_data_parallel_wrapper,
+)
+from mpfunc_torch._src.optimizer import AmpOptimizer
+
+__all__ = ["AMP_TYPE", "convert_to_amp"]
+
+
+class AMP_TYPE(str, enum.Enum):  # noqa: N801 - the name users know from Colossal-AI
+    """The AMP modes (a string enum: ``AMP_TYPE.NAIVE == "naive"``)."""
+
+    TORCH = "torch"
+    APEX = "apex"
+    NAIVE = "naive"
+    BF16 = "bf16"
+
+
+def _device_of(model: nn.Module, requested: Any) -> torch.device:
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("`model` has no parameters.")
+    device = params[0].device
+    if requested is None:
+        return device
+    try:
+        req = torch.device(requested)
+    except (RuntimeError, TypeError):
+        req = None
+    if req is None or req.type not in ("cpu", "cuda"):
+        raise ValueError("`device` must be 'cpu', 'cuda' (or 'cuda:N', or a torch.device of "
+                         f"those) or None, got {requested!r}.")
+    if req.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"`device={requested!r}` was requested but CUDA is not available "
+                           "(this torch build or machine has no GPU); use device='cpu'.")
+    if device.type != req.type or (req.index is not None and device.index != req.index):
+        raise ValueError(f"`device={requested!r}` but the model's params are on {device}; "
+                         f"move the model first (model.to({str(req)!r})).")
+    return device
+
+
+def _check_optimizer_params(model: nn.Module, optimizers) -> None:
+    model_ids = {id(p) for p in model.parameters()}
+    if not any(id(p) in model_ids for opt in optimizers for g in opt.param_groups
+               for p in g["params"]):
+        raise ValueError(
+            "`optimizer` holds none of `model`'s parameters, so training would never change "
+            "the model. Build the optimizer over this model's parameters "
+            "(torch.optim.X(model.parameters(), ...)), or convert the model it belongs to.")
+
+
+def _refuse_broken_fused_sgd(optimizers, masters) -> None:
+    """torch's fused SGD on CPU leaves float16/bfloat16 params unchanged (seen in torch
+    2.13: a 1000-element float16 param moved only in its last elements). A half-precision
+    mode would then train nothing, silently, so that combination is refused."""
+    masters = masters or {}
+    for opt in optimizers:
+        if not (isinstance(opt, torch.optim.SGD) and opt.defaults.get("fused")):
+            continue
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if id(p) not in masters and p.dtype in HALF and p.device.type == "cpu":
+                    raise ValueError(
+                        "`optimizer` is SGD(fused=True) stepping half-precision params on "
+                        "CPU, which torch's fused CPU SGD kernel does not update correctly. "
+                        "Use fused=False, or a mode with float32 master weights (naive, "
+                        "apex O2)."
+                    )
+
+
+def convert_to_amp(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    criterion: Callable | None = None,
+    mode: str | AMP_TYPE | MixedPrecisionConfig | None = None,
+    *,
+    mixed_precision: str | MixedPrecisionConfig | None = None,
+    process_group: Any = None,
+    device: str | torch.device | None = None,
+    is_norm: Callable[[str, nn.Module], bool] | None = None,
+    **config: Any,
+) -> tuple[AmpModel, AmpOptimizer, AmpCriterion | None]:
+    """Converts a model, its optimizer and its loss to mixed precision.
+
+    The modes (the same names, keys and defaults as Colossal-AI's ``convert_to_amp``, and
+    the same meaning as ``mpfunc.convert_to_amp`` on the JAX side):
+
+    ======  =========================================================================
+    mode    what it does
+    ======  =========================================================================
+    torch   ``torch.autocast`` (float16, or ``dtype="bfloat16"``), float32 params,
+            dynamic scale with the ``"torch"`` preset (GradScaler's rule).
+            Keys: init_scale, growth_factor, backoff_factor, growth_interval, enabled,
+            dtype.
+    apex    apex's O0-O3 natively (no apex needed). O1: autocast + apex's fp32 list;
+            O2: float16 params, float32 norms, float32 master weights; O3: pure float16;
+            O0: float32. Dynamic levels use the ``"apex"`` preset. Keys: enabled,
+            opt_level, cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
+            master_weights, loss_scale, cast_model_outputs, num_losses, verbosity,
+            min_loss_scale, max_loss_scale.
+    naive   every param float16, float32 master weights, dynamic scale with the
+            ``"naive"`` preset (hysteresis 2). Keys: log_num_zeros_in_grad,
+            initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
+            hysteresis, max_scale, clip_grad, verbose.
+    bf16    ``torch.autocast`` to bfloat16, no loss scaling (non-finite steps are still
+            skipped).
+    ======  =========================================================================
+
+    The loss-scale rule is ``mpfunc.dynamic_scale``'s (see `LossScaler`), so given the
+    same config and overflows both frameworks follow the same scale trajectory.
+
+    Args:
+      model: the model; float32 params for every mode (the half modes cast it).
+      optimizer: a torch optimizer over (some of) the model's params, with no state yet;
+        or a list of them, which then share one loss scale (as several optimizers share
+        one GradScaler): each skips or steps on its own gradients, and the scale updates
+        once, after the last of them has stepped in the iteration.
+      criterion: the loss function, wrapped to compute in float32; or None.
+      mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or an `AMP_TYPE`; None
+        means ``"torch"``. A Booster name or config object is accepted here too.
+      mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
+        ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, or a config
+        object such as ``FP16NaiveMixedPrecision(hysteresis=3)``. Each means exactly
+        the same mode and keys.
+      process_group: a ``ProcessGroup`` or a sequence of them (e.g. tensor-parallel and
+        pipeline groups): ``found_inf`` is MAX-all-reduced over each, so all their ranks
+        skip or step together. None: no reduction (with plain DDP the gradients are
+        already identical on every rank).
+      device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``, to assert where
+        the model runs; None = its params'.
+      is_norm: ``(qualified_name, module) -> bool`` choosing the normalisation layers
+        that stay float32 where the mode keeps norms in float32 (apex O2,
+        ``keep_batchnorm_fp32=True``); default `is_norm_module` (torch's norms and
+        classes named ``*Norm``, such as HuggingFace's ``LlamaRMSNorm``).
+      **config: the mode's keys (above).
+
+    Returns:
+      ``(model, optimizer, criterion)``: `AmpModel`, `AmpOptimizer` (a list of them for
+      a list of optimizers) and `AmpCriterion` (or None).
+
+    Raises:
+      ValueError: unknown mode, opt level or config key (the message lists the valid
+        ones), a value out of range (named as you spelled the key), inconsistent config,
+        a half-precision model where float32 is needed, an optimizer that already has
+        state, or one that holds none of the model's params.
+      TypeError: a value or ``process_group`` of the wrong type.
+      RuntimeError: ``device="cuda"`` without CUDA.
+
+    Examples:
+      >>> import torch, mpfunc_torch
+      >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+      >>> opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+      >>> model, opt, crit = mpfunc_torch.convert_to_amp(
+      ...     net, opt, torch.nn.MSELoss(), mode="naive", growth_interval=100)
+      >>> net[0].weight.dtype, opt.param_groups[0]["params"][0].dtype
+      (torch.float16, torch.float32)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
+    optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer) or isinstance(opt, AmpOptimizer):
+            raise TypeError("`optimizer` must be a torch.optim.Optimizer (not already "
+                            f"converted) or a list of them, got {type(opt).__name__}.")
+    if not optimizers:
+        raise ValueError("`optimizer` is an empty list.")
+    plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
+    refuse_converted_model(model)
+    if is_norm is not None:
+        if not callable(is_norm):
+            raise TypeError("`is_norm` must be a callable (name, module) -> bool, got "
+                            f"{type(is_norm).__name__}.")
+        if not (plan.enabled and plan.keep_norm_fp32):
+            raise ValueError(
+                "`is_norm` chooses the layers that stay float32, but this mode keeps no "
+                f"layer in float32 ({plan.describe()}); it applies to apex O2 or "
+                "keep_batchnorm_fp32=True. Remove it, or choose such a mode."
+            )
+    if len(optimizers) > 1 and plan.num_losses > 1:
+        raise ValueError("`num_losses > 1` with several optimizers is not supported; use "
+                         "one optimizer with per-loss scales, or one shared scale.")
+    dev = _device_of(model, device)
+    _check_optimizer_params(model, optimizers)
+    groups = normalize_groups(process_group)
+    half = [n for n, p in model.named_parameters() if p.dtype in HALF]
+    if half and plan.enabled and plan.cast_model_type in (None, "float32"):
+        raise ValueError(
+            f"mode {plan.mode!r}{' ' + plan.opt_level if plan.opt_level else ''} needs "
+            f"float32 params, but {half[:3]}{'...' if len(half) > 3 else ''} are half "
+            "precision. Gradients of half params cannot be unscaled safely; give the model "
+            "in float32 and use mode='naive' (or apex O2), which keep float32 master "
+            "weights, or call model.float() first."
+        )
+    if half and plan.enabled and plan.cast_model_type in ("float16", "bfloat16"):
+        raise ValueError(
+            f"`model` params {half[:3]} are already half precision; give the model in "
+            "float32 so the float32 master weights start from the exact values."
+        )
+    masters: dict[int, torch.Tensor] | None = None
+    if plan.enabled and plan.cast_model_type is not None:
+        target = DTYPES[plan.cast_model_type]
+        if target in HALF:
+            refuse_data_parallel_wrapper(model, plan)
+        if plan.master_weights:
+            if any(len(opt.state) > 0 for opt in optimizers):
+                raise ValueError("`optimizer` already has state; convert it to master "
+                                 "weights before its first step.")
+            masters = make_masters(optimizers)
+        cast_model(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
+        if masters is not None:
+            masters = keep_half_masters(masters, optimizers)
+    _refuse_broken_fused_sgd(optimizers, masters)
+    if plan.verbose:
+        print(f"mpfunc_torch.convert_to_amp: {plan.describe()}")
+    amp_model = AmpModel(model, plan, dev.type)
+    first = AmpOptimizer(optimizers[0], plan, device=dev, masters=masters,
+                         process_groups=groups)
+    shared = first._shared
+    shared.n = len(optimizers)
+    amp_opts = [first] + [
+        AmpOptimizer(opt, plan, device=dev, masters=masters, process_groups=groups,
+                     shared=shared)
+        for opt in optimizers[1:]
+    ]
+    pairs = [pair for opt in amp_opts for pair in opt._pairs]
+    if pairs:
+        amp_model._master_hooks = follow_model_loads(model, pairs)
+    amp_crit = AmpCriterion(criterion, dev.type) if criterion is not None else None
+    out_opt = amp_opts if isinstance(optimizer, list | tuple) else amp_opts[0]
+    return amp_model, out_opt, amp_crit
+

@@ -1,0 +1,440 @@
+"""`AmpOptimizer`: loss scaling, exact skips, master weights and the inf-check reduction
+around a torch optimizer."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from _mpfunc_common.amp_config import AmpPlan
+from mpfunc_torch._src import checkpoint, fused
+from mpfunc_torch._src.distributed import all_reduce_found_inf_
+from mpfunc_torch._src.grads import (
+    add_back_unscaled_,
+    check_,
+    coalesce_sparse_,
+    grads_of,
+    set_aside_,
+)
+from mpfunc_torch._src.loss_scale import LossScaler, SharedScale
+from mpfunc_torch._src.master_weights import (
+    copy_grads_to_masters_,
+    copy_masters_to_model_,
+    release_master_grads_,
+    swap_in_masters_,
+)
+
+__all__ = ["AmpOptimizer"]
+
+_READY, _BACKWARD, _UNSCALED = "ready", "backward", "unscaled"
+_profile_hook_step = torch.optim.Optimizer.profile_hook_step
+
+
+def _mark_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """A skipped step is still this iteration's optimizer step. torch's LR schedulers
+    wrap the inner optimizer's ``step`` to check, at their first ``step()``, that the
+    optimizer stepped first; a skipped step never reaches the inner ``step``, so record
+    the call as that wrapper does. Otherwise a correctly ordered loop whose first steps
+    overflow (naive starts at 2**32) gets a call-order warning (GradScaler users do)."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True
+
+
+class AmpOptimizer(torch.optim.Optimizer):
+    """The wrapped optimizer: loss scaling, exact skips, master weights, inf-check reduction.
+
+    It keeps the torch optimizer interface (``param_groups``, ``state``, ``zero_grad``,
+    ``torch.optim.lr_scheduler`` and optimizer hooks work on it) and adds `backward`,
+    `scale_loss`, `unscale_`, `clip_grad_norm`, `loss_scale`, `skipped_steps` and
+    `scale_metrics`.
+
+    A step whose gradients hold an inf/NaN (on any rank of ``process_group``) is skipped:
+    params, master weights and optimizer state stay exactly as they were, and the loss
+    scale follows the mode's rule. With a fused optimizer (``Adam``/``AdamW``/``SGD`` with
+    ``fused=True``) the skip happens inside the kernel and no step syncs with the host;
+    otherwise `step` reads one flag from the device (as ``torch.amp.GradScaler`` does).
+
+    Use `backward` (it scales) and `step`, or, as with GradScaler,
+    ``opt.scale_loss(loss).backward()`` then `step`. `step` returns a 0-dim bool tensor
+    that says whether the step was taken (reading it syncs). Step hooks registered on
+    this optimizer (``register_step_pre_hook``/``register_step_post_hook``, and the
+    global ones) fire around every `step` call, taken or skipped: telling which would
+    cost a host sync; read the returned flag or ``scale_metrics()["last_finite"]``.
+    With master weights, the model's half-precision ``.grad`` are released once copied
+    into the float32 master grads (at `unscale_`), and those are released after `step`:
+    read gradients between `unscale_` and `step`, on ``optimizer.param_groups``' params.
+
+    Examples:
+      >>> import torch, mpfunc_torch
+      >>> net = torch.nn.Linear(4, 1)
+      >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+      >>> model, opt, crit = mpfunc_torch.convert_to_amp(
+      ...     net, opt, torch.nn.MSELoss(), mode="torch", init_scale=1024.0)
+      >>> loss = crit(model(torch.randn(8, 4)), torch.randn(8, 1))
+      >>> opt.scale_loss(loss).backward()  # or opt.backward(loss)
+      >>> bool(opt.step())
+      True
+      >>> opt.scale_metrics(as_python=True)["loss_scale"]
+      1024.0
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        plan: AmpPlan,
+        *,
+        device: torch.device,
+        masters: dict[int, torch.Tensor] | None = None,
+        process_groups: tuple = (),
+        shared: SharedScale | None = None,
+    ):
+        # Deliberately not calling Optimizer.__init__: param_groups/state/defaults are
+        # the inner optimizer's own (see the properties below). The hook registries are
+        # this wrapper's own (OrderedDicts, as torch's handles need).
+        self.optimizer = optimizer
+        self.plan = plan
+        self._enabled = plan.enabled
+        self._groups = process_groups
+        self._device = device
+        for kind in ("step", "state_dict", "load_state_dict"):
+            for when in ("pre", "post"):
+                setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())
+        n = plan.num_losses if plan.enabled else 1
+        kinds = [plan.scale_kind] * n if plan.enabled else ["none"]
+        if shared is None:
+            shared = SharedScale(
+                [LossScaler(k, plan.scale_config if k == "dynamic" else None,
+                            plan.static_scale if k == "static" else 1.0, device)
+                 for k in kinds], 1, device)
+        self._shared = shared
+        shared.members.append(self)
+        self._scalers = shared.scalers
+        self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._stage = _READY
+        self._last = "init"  # the last call that ended a step: for error messages
+        self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self._found_inf_per_loss = [torch.zeros((), dtype=torch.float32, device=device)
+                                    for _ in range(n)]
+        self._grads_unscaled = False  # set once per-loss unscaling happened (num_losses > 1)
+        self._pending: tuple[int, list] | None = None  # (loss_id, grads set aside)
+        self.num_zeros_in_grad: torch.Tensor | None = None
+        self.grad_norm: torch.Tensor | None = None
+        # Owned params are what the inner optimizer steps (float32 masters where there
+        # are master weights); each has a source, the model param its gradient comes from.
+        self._pairs = swap_in_masters_(optimizer, masters or {})
+        # The fused optimizer may unscale inside its kernel: one scale, no master weights,
+        # nothing to do between unscaling and the step, and a scale that cannot go below
+        # 1 (the kernel would not see an overflow created by unscaling).
+        self._kernel_unscales = (
+            self._fused and not self._pairs and n == 1 and not plan.clip_grad
+            and not plan.log_num_zeros_in_grad and not self._scalers[0].may_go_below_one)
+        self._index_params()
+
+    def _index_params(self) -> None:
+        source_of = {id(m): p for p, m in self._pairs}
+        self._owned = [q for g in self.optimizer.param_groups for q in g["params"]]
+        self._sources = [source_of.get(id(q), q) for q in self._owned]
+        self._sgd_first = fused.is_fused_sgd_with_momentum(self.optimizer)
+
+    # -- the torch optimizer interface ---------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._pairs:
+            raise RuntimeError("add_param_group is not supported with master weights; "
+                               "add the params before convert_to_amp.")
+        self.optimizer.add_param_group(param_group)
+        self._index_params()
+
+    def __repr__(self) -> str:
+        return f"AmpOptimizer({self.plan.describe()}, optimizer={self.optimizer!r})"
+
+    def __getstate__(self):
+        raise TypeError("AmpOptimizer is not picklable; save its state_dict() instead.")
+
+    # -- scaling -----------------------------------------------------------------------
+    def _scaler(self, loss_id: int) -> LossScaler:
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not (
+            0 <= loss_id < len(self._scalers)
+        ):
+            raise ValueError(
+                f"`loss_id` must be an int in [0, {len(self._scalers)}) (num_losses="
+                f"{len(self._scalers)}), got {loss_id!r}."
+            )
+        return self._scalers[loss_id]
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        """The current loss scale (loss 0): a float32 0-dim device tensor."""
+        return self._scalers[0].scale
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """Skipped steps so far: an int32 0-dim device tensor."""
+        return self._scalers[0].skipped_steps
+
+    def scale_metrics(self, as_python: bool = False, loss_id: int = 0) -> dict[str, Any]:
+        """``loss_scale``, ``skipped_steps``, ``consecutive_skips``, ``last_finite`` (and
+        ``num_zeros_in_grad`` when logged): device tensors, or Python numbers with
+        ``as_python=True``."""
+        out = self._scaler(loss_id).metrics(as_python)
+        if self.num_zeros_in_grad is not None:
+            z = self.num_zeros_in_grad
+            out["num_zeros_in_grad"] = int(z) if as_python else z
+        return out
+
+    def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
+        """``loss`` in float32 times the current scale.
+
+        As with ``GradScaler.scale``: the gradients that follow (``.backward()`` on the
+        result, or ``torch.autograd.grad``) are scaled, and `step` unscales them. With
+        ``num_losses > 1`` the gradients accumulated so far are set aside until the next
+        `backward`, `scale_loss`, `unscale_` or `step`, which unscales this loss's
+        gradients with its own scale and adds them back.
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"`loss` must be a tensor, got {type(loss).__name__}.")
+        scaler = self._scaler(loss_id)
+        if self._stage == _UNSCALED:
+            raise RuntimeError("backward()/scale_loss() after unscale_()/clip_grad_norm() "
+                               "and before step(): gradients of one step must share one "
+                               "scale.")
+        if len(self._scalers) > 1:
+            self._finish_pending()
+            self._pending = (loss_id, set_aside_(self._owned, self._sources))
+        for member in self._shared.members:  # one backward feeds every optimizer sharing
+            if member._stage == _READY:      # this scale (e.g. two models, two losses)
+                member._stage = _BACKWARD
+        if not self._enabled or scaler.kind == "none":
+            return loss
+        return loss.float() * scaler.scale
+
+    def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs) -> None:
+        """Scales ``loss`` and back-propagates (``kwargs`` go to ``Tensor.backward``).
+
+        May be called several times before `step` (gradient accumulation, several
+        losses). With ``num_losses > 1`` each loss has its own scale: its gradients are
+        unscaled right after its backward and accumulated (in float32 for master weights).
+        """
+        self.scale_loss(loss, loss_id).backward(**kwargs)
+        self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            loss_id, stash = self._pending
+            self._pending = None
+            add_back_unscaled_(self._owned, self._sources, stash, self._scalers[loss_id],
+                               self._found_inf_per_loss[loss_id])
+            self._grads_unscaled = True
+
+    # -- unscale / clip / step ---------------------------------------------------------
+    def _not_after_backward(self, call: str) -> RuntimeError:
+        if self._last == "step":
+            return RuntimeError(
+                f"{call} called again after step() with no backward() in between: the "
+                "gradients of that step were already used (and released). Call "
+                "optimizer.backward(loss) (or scale_loss(loss).backward()) for each step.")
+        return RuntimeError(f"{call} called before backward(): call optimizer.backward(loss) "
+                            "(or optimizer.scale_loss(loss).backward()) first.")
+
+    def unscale_(self) -> None:
+        """Divides the gradients the optimizer owns by the scale, and checks them.
+
+        Call it before inspecting or clipping gradients; `step` calls it otherwise.
+        With master weights the model's half gradients are first copied into the float32
+        master gradients (one foreach copy), then unscaled there in one fused pass. Where
+        the scale can be below 1 they are checked again after unscaling (one more pass).
+
+        Raises:
+          RuntimeError: before any `backward`, or a second time before `step`.
+        """
+        if not self._enabled:
+            return
+        if self._stage == _READY:
+            raise self._not_after_backward("unscale_()")
+        if self._stage == _UNSCALED:
+            raise RuntimeError("unscale_() has already been called since the last step(); "
+                               "calling it twice would unscale twice.")
+        self._finish_pending()
+        found = self._found_inf
+        found.zero_()
+        if self._grads_unscaled:  # num_losses > 1: each backward already unscaled
+            # Re-check what step() will use: a gradient may have changed since its
+            # backward (e.g. a manual all-reduce).
+            coalesce_sparse_(self._owned)
+            check_(grads_of(self._owned), found)
+            all_reduce_found_inf_(found, self._groups)
+            for f in self._found_inf_per_loss:
+                all_reduce_found_inf_(f, self._groups)
+                torch.maximum(found, f, out=found)
+        else:
+            copy_grads_to_masters_(self._pairs)
+            coalesce_sparse_(self._owned)
+            scaler = self._scalers[0]
+            owned = grads_of(self._owned)
+            if scaler.kind != "none":
+                fused.unscale_and_check_(owned, found, scaler.inv_scale())
+            if scaler.kind == "none" or scaler.may_go_below_one:
+                check_(owned, found)
+            all_reduce_found_inf_(found, self._groups)
+            self._found_inf_per_loss[0].copy_(found)
+        self._stage = _UNSCALED
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscales (if not yet done) and clips the gradients' global norm.
+
+        The norm is over the gradients this optimizer owns on this rank (float32 masters
+        with master weights; sparse ones through their values). Returns the total norm
+        before clipping, as a device tensor; it is inf/NaN on an overflow step, which
+        `step` then skips anyway.
+        """
+        if self._stage != _UNSCALED:
+            self.unscale_()
+        return fused.clip_grads_(grads_of(self._owned), max_norm, norm_type)
+
+    @_profile_hook_step
+    def step(self, closure=None) -> torch.Tensor:
+        """Takes the optimizer step unless a gradient is inf/NaN; updates the loss scale.
+
+        Returns:
+          A 0-dim bool device tensor: True if the step was taken.
+
+        Raises:
+          RuntimeError: `step` before `backward`, or twice for one backward.
+          ValueError: a closure (not supported with loss scaling, as in GradScaler).
+        """
+        if closure is not None:
+            raise ValueError("`closure` is not supported: loss scaling needs backward() "
+                             "through this optimizer before step().")
+        if not self._enabled:
+            self.optimizer.step()
+            self._stage, self._last = _READY, "step"
+            return torch.ones((), dtype=torch.bool, device=self._device)
+        if self._stage == _READY:
+            raise self._not_after_backward("step()")
+        self._finish_pending()
+        scaler = self._scalers[0]
+        # torch's fused SGD bug (see fused.fused_sgd_first_step_pending): until the
+        # momentum buffers exist, skips are decided on the host.
+        host_skip = self._sgd_first = (
+            self._sgd_first and fused.fused_sgd_first_step_pending(self.optimizer))
+        found = self._found_inf
+        if self._kernel_unscales and self._stage == _BACKWARD and not host_skip:
+            # Pass 1: check only (inv_scale 1). Pass 2: the fused optimizer unscales,
+            # skips on found_inf and undoes its step count, all on the device.
+            found.zero_()
+            check_(grads_of(self._owned), found)
+            all_reduce_found_inf_(found, self._groups)  # the path ShardedGradScaler misses
+            grad_scale = scaler.scale if scaler.kind != "none" else None
+            fused.step_with_found_inf_(self.optimizer, grad_scale, found)
+        else:
+            if self._stage != _UNSCALED:
+                self.unscale_()
+            if self.plan.clip_grad:
+                self.grad_norm = self.clip_grad_norm(self.plan.clip_grad)
+            if self.plan.log_num_zeros_in_grad:
+                self.num_zeros_in_grad = fused.count_zeros(grads_of(self._owned))
+            if self._fused and not host_skip:
+                fused.step_with_found_inf_(self.optimizer, None, found)
+                copy_masters_to_model_(self._pairs)
+            elif not found.item():  # the one host read of a non-fused step
+                if self._fused:
+                    fused.step_with_found_inf_(self.optimizer, None, found)
+                else:
+                    self.optimizer.step()
+                copy_masters_to_model_(self._pairs)
+            else:
+                _mark_step_called(self.optimizer)
+        stepped = found == 0
+        if len(self._scalers) == 1:
+            if self._shared.record(found):
+                scaler.update(self._shared.take(found))
+        else:
+            for s, f in zip(self._scalers, self._found_inf_per_loss):
+                # Each loss's scale follows its own overflows; the step is skipped (and
+                # counted on every scaler) if any loss overflowed.
+                s.update(f, step_found_inf=found)
+        for f in self._found_inf_per_loss:
+            f.zero_()
+        release_master_grads_(self._pairs)
+        self._grads_unscaled = False
+        self._stage, self._last = _READY, "step"
+        return stepped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears model and master gradients and starts a new accumulation."""
+        self._pending = None
+        params = {id(t): t for t in self._owned + self._sources}.values()
+        for p in params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+        self._stage = _READY
+        self._last = "zero_grad"
+        self._grads_unscaled = False
+        for f in self._found_inf_per_loss:
+            f.zero_()
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs, loadable with ``weights_only=True``.
+
+        Keys: ``format`` (1), ``mode``, ``opt_level``, ``optimizer`` (the inner optimizer's
+        state_dict, over the master weights when there are any), ``scalers`` (one
+        `LossScaler.state_dict` per loss: scale, growth and hysteresis trackers, skip
+        counters, and the config they were saved with) and ``master_weights`` (the
+        float32 masters, or None). Loading keeps the loading optimizer's own loss-scale
+        hyperparameters (a run may resume with another ``init_scale`` or
+        ``growth_interval``, as with GradScaler) and restores the state. The
+        ``register_state_dict_pre_hook``/``post_hook`` hooks run around it.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        out = checkpoint.save(self)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores `state_dict`, all or nothing; also writes the masters into the model.
+
+        Everything is checked before anything is written: a checkpoint of another mode,
+        a missing key, a corrupt value (a non-finite, zero or negative scale, a counter
+        out of range, a non-float32 or non-finite master, a non-finite optimizer state)
+        raises ``ValueError`` naming the key and leaves this optimizer as it was. The
+        loss-scale hyperparameters stay this optimizer's own (see `state_dict`).
+        """
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        checkpoint.load(self, state_dict)
+        self._pending = None
+        self._stage, self._last = _READY, "load_state_dict"
+        self._grads_unscaled = False
+        self._index_params()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
