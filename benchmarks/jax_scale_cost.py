@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -219,6 +220,17 @@ def measure(variants, depth, batch, compile_repeats, rounds, iters):
     return {"depth": depth, "leaves": n_leaves, "params": int(n_params), "rows": rows}
 
 
+def cpu_name():
+    """The CPU's model name and core count (platform.processor() is often empty)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def run(depths, batch, compile_repeats, rounds, iters, only=None):
     variants = scaling_variants()
     if only:
@@ -227,7 +239,7 @@ def run(depths, batch, compile_repeats, rounds, iters, only=None):
         variants = {k: v for k, v in variants.items() if k in keep}
     return {
         "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
-                  f"{platform.processor() or platform.machine()}",
+                  f"{cpu_name()}",
         "versions": {"jax": jax.__version__, "optax": optax.__version__},
         "batch": batch, "width": WIDTH, "compile_repeats": compile_repeats,
         "rounds": rounds, "iters": iters,
