@@ -852,7 +852,7 @@ class TestValidation:
         with pytest.raises(TypeError, match="`scale` must be a concrete number"):
             jax.jit(lambda s: mpfunc.static_scale(s).init({}))(2.0)
 
-    @pytest.mark.parametrize("bad", [3.5, 3, True, np.float32(1.0), [], ("data", 3.5),
+    @pytest.mark.parametrize("bad", [3.5, 3, True, np.float32(1.0), [], "", ("data", ""), ("data", 3.5),
                                      ["data", None], {"data"}, ("data", ["model"])])
     def test_axis_name_is_checked(self, bad):
         for make in (lambda: mpfunc.dynamic_scale(axis_name=bad),
