@@ -600,6 +600,23 @@ class TestSharding:
         assert np.asarray(f(w, x, jnp.int32(-1))).all()
         assert not np.asarray(f(w, x, jnp.int32(1))).any()
 
+    def test_an_axis_missing_from_axis_name_is_a_trace_time_error(self):
+        # Grads that vary over "model" with axis_name="data" only: the "model" shards
+        # would decide alone (one steps, one skips). Say which axis is missing, when
+        # tracing, instead of jax's own vma error deep inside the inner update.
+        opt = mpfunc.dynamic_scale(adam(1e-2), axis_name="data")
+
+        def step(w, x):
+            grads = jax.grad(lambda w: jax.lax.pmean(jnp.sum((x @ w) ** 2), "data"))(w)
+            _, state = opt.update(grads, opt.init(w), w)
+            return state.loss_scale
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh_2d(), in_specs=(P(None, "model"), P("data")),
+                                  out_specs=P()))
+        with pytest.raises(ValueError, match=r"varying over \{model\}.*"
+                                             r"axis_name=\('data', 'model'\)"):
+            f(jnp.ones((4, 8)), jnp.ones((8, 4)))
+
     def test_optax_apply_if_finite_decides_per_shard(self):
         # The prior art this replaces: without a psum, replicas disagree.
         mesh = mesh_2d()

@@ -110,6 +110,14 @@ def psum_over(count: jax.Array, axis_name: AxisName) -> jax.Array:
     axes = tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
     varying = _varying_axes(count)
     if varying:
+        if rest := varying - set(axes):
+            names = ", ".join(map(str, sorted(rest, key=str)))
+            raise ValueError(
+                f"The non-finite count is varying over {{{names}}}, mesh axes that are not "
+                f"in `axis_name` ({axis_name!r}): the shards along "
+                "them would decide differently whether to skip, and one would step while "
+                "another does not. Add them: "
+                f"axis_name={tuple(axes) + tuple(sorted(rest, key=str))!r}.")
         sum_axes = tuple(a for a in axes if a in varying)
         return jax.lax.psum(count, sum_axes) if sum_axes else count
     try:

@@ -59,7 +59,7 @@ def neg_zeros_like(x: Any) -> Any:
     if not _is_array(x):
         return x
     if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.full(jnp.shape(x), -0.0, x.dtype)
+        return jnp.full_like(x, -0.0)  # full_like keeps an explicit sharding
     return jnp.zeros_like(x)
 
 
@@ -69,7 +69,9 @@ def _select(finite: jax.Array, new: Any, old: Any) -> Any:
     new = jnp.asarray(new)
     if new.dtype != old.dtype:
         new = new.astype(old.dtype)
-    return jax.lax.select(jnp.broadcast_to(finite, jnp.shape(old)), new, old)
+    # A scalar predicate: broadcasting it would give it a sharding of its own, which
+    # under explicit mesh axes must then equal the leaf's (a ShardingTypeError).
+    return jax.lax.select_n(jnp.asarray(finite, bool), old, new)
 
 
 # Calls whose body is evaluated inline, so the select reaches the ops inside them.
@@ -199,7 +201,7 @@ def skip_update(
     else:
         outs = _eval(closed.jaxpr, closed.consts, dyn, finite, targets)
     upd_leaves = [
-        jax.lax.select(jnp.broadcast_to(finite, jnp.shape(u)), u, neg_zeros_like(u))
+        jax.lax.select_n(jnp.asarray(finite, bool), neg_zeros_like(u), u)
         if _is_array(u) else u
         for u in outs[:n_upd]
     ]
