@@ -25,6 +25,7 @@ from _mpfunc_common.mixed_precision import (
 )
 from mpfunc._src.autocast import AutocastLists, autocast
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
+from mpfunc._src.distributed import all_finite
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
 from mpfunc._src.fp8 import (
     Fp8DotState,
@@ -37,13 +38,10 @@ from mpfunc._src.fp8 import (
 from mpfunc._src.fp8_convert import Fp8Function, convert_to_fp8
 from mpfunc._src.loss_scale import (
     LossScaleState,
-    all_finite,
+    ScaledValueAndGrad,
     chain,
     dynamic_scale,
-    loss_scale,
     no_scale,
-    scale_loss,
-    scale_metrics,
     static_scale,
 )
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
@@ -56,6 +54,7 @@ from mpfunc._src.policy import (
     get_policy,
     half_dtype,
 )
+from mpfunc._src.scale_state import loss_scale, scale_loss, scale_metrics, value_and_grad
 from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"
@@ -76,6 +75,7 @@ __all__ = [
     "LossScaleState",
     "MasterWeightsState",
     "Policy",
+    "ScaledValueAndGrad",
     "all_finite",
     "autocast",
     "cast_floating",
@@ -104,4 +104,5 @@ __all__ = [
     "scale_metrics",
     "state_sharding",
     "static_scale",
+    "value_and_grad",
 ]

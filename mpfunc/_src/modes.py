@@ -14,8 +14,9 @@ import optax
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc._src.autocast import autocast, half_model
+from mpfunc._src.distributed import check_axis_name
 from mpfunc._src.fp8_convert import fp8_mode_apply
-from mpfunc._src.loss_scale import _scale_transform
+from mpfunc._src.loss_scale import _scale_transform, as_transformation
 from mpfunc._src.master_weights import master_weights
 from mpfunc._src.policy import Policy
 
@@ -95,17 +96,6 @@ def _cast_tree(tree, dtype, keep: Callable | None):
     return jax.tree_util.tree_map_with_path(f, tree)
 
 
-def _check_axis_name(axis_name: Any) -> None:
-    names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
-    if axis_name is None:
-        return
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise TypeError(
-            "`axis_name` must be None, a mesh axis name (a non-empty str) or a tuple of "
-            f"them, got {type(axis_name).__name__}: {axis_name!r}. Pass the names your "
-            "`shard_map`/`pmap` uses, e.g. axis_name='data' or ('data', 'model').")
-
-
 def convert_to_amp(
     apply_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -180,15 +170,13 @@ def convert_to_amp(
     """
     if not callable(apply_fn):
         raise TypeError(f"`apply_fn` must be callable, got {type(apply_fn).__name__}.")
-    if not isinstance(optimizer, optax.GradientTransformation | optax.GradientTransformationExtraArgs):
-        raise TypeError("`optimizer` must be an optax GradientTransformation, got "
-                        f"{type(optimizer).__name__}.")
+    optimizer = as_transformation(optimizer, "optimizer")
     if not callable(is_norm):
         raise TypeError("`is_norm` must be a callable `(path, leaf) -> bool` marking "
                         f"normalisation params, got {type(is_norm).__name__}: {is_norm!r}. "
                         "Use the default `mpfunc.is_norm_param` or e.g. "
                         "`lambda path, leaf: 'ln' in jax.tree_util.keystr(path)`.")
-    _check_axis_name(axis_name)
+    axis_name = check_axis_name(axis_name)
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
     if plan.num_losses != 1:
         raise ValueError(
