@@ -25,7 +25,7 @@ from _mpfunc_common.fp8 import (
     resolve_recipe,
     scale_shape,
 )
-from mpfunc._src.loss_scale import _varying_axes
+from mpfunc._src.distributed import _varying_axes
 
 __all__ = ["Fp8Meta", "Fp8DotState", "quantize_fp8", "dequantize_fp8", "fp8_dot", "fp8_dot_state"]
 
