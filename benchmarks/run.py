@@ -3,9 +3,10 @@
 Runs, in order: the JAX loss-scale overhead (plain Adam / mpfunc / lax.cond variant /
 manual jmp-style loop), what an exact skip costs in peak memory, compile time and step
 time (every scaling form and mode, three depths), the torch modes (fp32 / raw
-torch.amp / every mpfunc_torch mode), the unscale-and-check bandwidth, and the JAX
-FSDP bytes per device. Each section records its device, software versions, the
-command and the date.
+torch.amp / every mpfunc_torch mode), the torch master-weight step peak memory
+(bytes/param at the allocator), the unscale-and-check bandwidth, and the JAX FSDP bytes
+per device. Each section records its device, software versions, the command and the
+date.
 
     python benchmarks/run.py [--device cpu|cuda] [--out out]
 """
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax_loss_scale  # noqa: E402
 import jax_scale_cost  # noqa: E402
 import jax_sharding  # noqa: E402
+import torch_memory  # noqa: E402
 import torch_modes  # noqa: E402
 import unscale_bandwidth  # noqa: E402
 
@@ -55,6 +57,11 @@ def main(argv=None):
     results["torch_modes"] = r
     sections.append("## torch modes\n\nCommand: `python benchmarks/torch_modes.py "
                     f"--device {args.device}`\n\n{torch_modes.to_markdown(r)}")
+
+    r = torch_memory.main(["--rounds", "3"])  # CPU: the allocator is profiled on the host
+    results["torch_memory"] = r
+    sections.append("## torch step peak memory (master weights)\n\nCommand: `python "
+                    f"benchmarks/torch_memory.py --rounds 3`\n\n{torch_memory.to_markdown(r)}")
 
     r = unscale_bandwidth.main(["--device", args.device])
     results["unscale_bandwidth"] = r

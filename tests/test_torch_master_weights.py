@@ -251,3 +251,133 @@ def test_naive_clip_and_zero_count_with_sparse_gradients():
     # rows 1, 2, 3 get gradients 20, 10, 30 in each of 4 columns: clipped to norm 0.5
     assert float(opt.grad_norm) == pytest.approx((4 * (20**2 + 10**2 + 30**2)) ** 0.5)
     assert opt.scale_metrics(as_python=True)["num_zeros_in_grad"] == 20 * 4 - 3 * 4
+
+
+# -- memory: the grads-to-masters copy ---------------------------------------------------
+def _deep_mlp(width=64, depth=16):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 4))
+
+
+def _step_peak_bytes(mode, cfg):
+    """Live bytes at torch's CPU allocator at the peak of the second ``opt.step()``
+    (the first creates Adam's state). The profiler records every allocation and free
+    with its address; it starts before the model is built, so everything is counted.
+    Deterministic: byte counts, not timings."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    box = {}
+
+    def run():
+        net = _deep_mlp()
+        box["n"] = sum(p.numel() for p in net.parameters())
+        box["largest"] = max(p.numel() for p in net.parameters())
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=True)
+        x, y = torch.randn(8, 64), torch.randn(8, 4)
+        if mode is None:  # plain float32
+            for _ in range(2):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(net(x), y).backward()
+                with record_function("mpfunc_test::step"):
+                    opt.step()
+            return
+        model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.MSELoss(),
+                                                       mode=mode, **cfg)
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(crit(model(x), y))
+            with record_function("mpfunc_test::step"):
+                assert bool(opt.step())
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events, window, stack = [], None, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
+            events.append((e.start_time_ns, e.typed[1].ptr, e.typed[1].alloc_size))
+        elif e.name == "mpfunc_test::step" and (window is None or e.start_time_ns > window[0]):
+            window = (e.start_time_ns, e.end_time_ns)
+    live, total, peak = {}, 0, 0
+    for t, ptr, size in sorted(events):
+        if size > 0:
+            live[ptr] = size
+            total += size
+        elif ptr in live:
+            total -= live.pop(ptr)
+        if t < window[0]:
+            peak = total  # what is live when the step starts
+        elif t <= window[1]:
+            peak = max(peak, total)
+    return peak, box["n"], box["largest"]
+
+
+@pytest.mark.parametrize("mode, cfg", [(None, {})] + MASTER_MODES, ids=["fp32"] + master_ids)
+def test_step_peak_is_18_bytes_per_param_plus_one_tensor(mode, cfg):
+    # fp32 Adam: 4 param + 4 grad + 8 state = 16 bytes/param. With master weights:
+    # 2 half param + 4 master + 4 master grad + 8 state = 18 (Megatron's accounting),
+    # plus the half grad of one tensor alive with its float32 copy. Copying every half
+    # grad at once held them all beside the float32 grads: 20.
+    peak, n, largest = _step_peak_bytes(mode, cfg)
+    small = 64 * 1024  # the batch, scalars, step counters: a few KiB
+    if mode is None:
+        assert 16 * n <= peak <= 16 * n + small
+    else:
+        assert 18 * n <= peak <= 18 * n + 2 * largest + small
+        fp32, _, _ = _step_peak_bytes(None, {})
+        assert peak / fp32 <= (18 + 2 * largest / n) / 16 + small / fp32 < 20 / 16
+
+
+def test_chunked_copy_is_exact_and_frees_each_half_grad():
+    from mpfunc_torch._src.master_weights import copy_grads_to_masters_, largest_first
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(300,), (64, 64), (7,), (64, 64), (1,), (128, 3), (5, 5), (64, 64)]
+    params = [torch.zeros(s, dtype=torch.float16, requires_grad=True) for s in shapes]
+    masters = [torch.zeros(s, requires_grad=True) for s in shapes]
+    for i, p in enumerate(params):
+        if i != 2:  # one param without a gradient
+            p.grad = (torch.randn(p.shape, generator=g) * 1e4).half()
+    params[3].grad[0, 0] = float("inf")  # copied as it is: the check comes after
+    held = params[1].grad  # someone else holds this one: it stays valid
+    expected = [None if p.grad is None else p.grad.float() for p in params]
+    masters[2].grad = torch.ones(7)  # a stale master grad is cleared
+    masters[4].grad = torch.full((1,), 5.0)  # an existing dense master grad is reused
+    reused = masters[4].grad
+    copy_grads_to_masters_(largest_first(list(zip(params, masters))))
+    assert all(p.grad is None for p in params)
+    for m, e in zip(masters, expected):
+        assert (m.grad is None) if e is None else torch.equal(m.grad, e)
+    assert masters[4].grad is reused
+    assert torch.equal(held.float(), expected[1])
+
+
+@pytest.mark.parametrize("mode, cfg", MASTER_MODES, ids=master_ids)
+def test_accumulated_half_grads_reach_the_masters_unscaled(mode, cfg):
+    net = _deep_mlp(width=16, depth=3)
+    model, opt, crit = _convert(net, mode, cfg)
+    params = list(net.parameters())
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g))
+            for _ in range(3)]
+    for x, y in data:  # three backward calls, one step: autograd sums the half grads
+        opt.backward(crit(model(x), y) * 1e-3)
+    expected = [p.grad.float() * (1 / float(opt.loss_scale)) for p in params]
+    seen = {}
+    real_step = opt.optimizer.step
+
+    def spy(*a, **k):  # O2 keeps LayerNorm float32: its params are their own owners
+        seen.update({id(q): q.grad.clone() for g in opt.param_groups for q in g["params"]})
+        return real_step(*a, **k)
+
+    opt.optimizer.step = spy
+    assert bool(opt.step())
+    master_of = {id(p): m for p, m in opt._pairs}
+    assert len(opt._pairs) >= 4  # the Linear weights and biases have masters
+    for p, e in zip(params, expected):
+        assert torch.equal(seen[id(master_of.get(id(p), p))], e)

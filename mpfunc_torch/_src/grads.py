@@ -46,7 +46,12 @@ def set_aside_(owned: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -
 def add_back_unscaled_(owned, sources, stash, scaler, found_inf: torch.Tensor) -> None:
     """Unscales the gradients back-propagated since `set_aside_` with ``scaler``'s scale
     (in the owned dtype: float32 for master weights), checks them after unscaling into
-    ``found_inf``, and adds the gradients set aside."""
+    ``found_inf``, and adds the gradients set aside.
+
+    Each half gradient is released as soon as it is converted, and a dense fresh
+    gradient is added into the one set aside in place (as autograd accumulates), each
+    released as it is added: float32 grads peak at two sets (stash and fresh), not three.
+    """
     fresh = []
     for q, src in zip(owned, sources):
         g = src.grad
@@ -59,6 +64,15 @@ def add_back_unscaled_(owned, sources, stash, scaler, found_inf: torch.Tensor) -
         fused.unscale_and_check_(grads, found_inf, scaler.inv_scale())
     if scaler.kind == "none" or scaler.may_go_below_one:
         check_(grads, found_inf)
-    for q, g, old in zip(owned, fresh, stash):
-        total = old if g is None else g if old is None else g + old
+    del grads
+    for i, q in enumerate(owned):
+        g, old = fresh[i], stash[i]
+        fresh[i] = stash[i] = None  # so that each pair is freed once added
+        if g is None or old is None:
+            total = old if g is None else g
+        elif (g.is_sparse or old.is_sparse or old.dtype != g.dtype or old.requires_grad
+              or g.requires_grad):
+            total = g + old  # sparse, mixed dtypes or a create_graph grad: out of place
+        else:
+            total = old.add_(g)
         q.grad = total.coalesce() if total is not None and total.is_sparse else total

@@ -2,7 +2,9 @@
 
 The inner optimizer steps float32 masters; each master has a source, the model's half
 param its gradient comes from and its value goes back to. Gradients go model -> master
-in one foreach copy, values master -> model in another. A ``load_state_dict`` on the
+in a few foreach copies, chunk by chunk, each half gradient freed once copied (so the
+step peaks at Megatron's 18 bytes/param plus one tensor, not 20); values go master ->
+model in one foreach copy. A ``load_state_dict`` on the
 model moves the masters with it (`follow_model_loads`), so loading pretrained weights
 after `convert_to_amp` is not undone by stale masters at the next step.
 """
@@ -19,6 +21,7 @@ __all__ = [
     "make_masters",
     "keep_half_masters",
     "swap_in_masters_",
+    "largest_first",
     "copy_grads_to_masters_",
     "copy_masters_to_model_",
     "release_master_grads_",
@@ -66,30 +69,71 @@ def swap_in_masters_(optimizer: torch.optim.Optimizer,
     return pairs
 
 
+def largest_first(pairs: Pairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``pairs`` ordered by size, largest first: the order `copy_grads_to_masters_`
+    wants (computed once, at conversion)."""
+    return sorted(pairs, key=lambda pm: pm[1].numel(), reverse=True)
+
+
+def _chunks(pairs: Pairs, floor_fraction: int = 256) -> list[list]:
+    """Splits ``pairs`` (largest first) into chunks, each at most half of what is left
+    from its start (and at least one tensor); below ``total // floor_fraction`` elements
+    the rest is one chunk. Copying chunk k allocates its float32 grads while the half
+    grads of chunks k.. are still alive; a chunk no bigger than what comes after it keeps
+    that sum under the float32 grads of everything (see `copy_grads_to_masters_`)."""
+    left = sum(m.numel() for _, m in pairs)
+    floor = left // floor_fraction
+    chunks: list[list] = []
+    chunk: list = []
+    size = 0
+    for pair in pairs:
+        n = pair[1].numel()
+        if chunk and size + n > max(left // 2, floor):
+            chunks.append(chunk)
+            left -= size
+            chunk, size = [], 0
+        chunk.append(pair)
+        size += n
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
 def copy_grads_to_masters_(pairs: Pairs) -> None:
-    """Model (half) grads -> float32 master grads in one foreach copy; the half grads
-    are released right after (nothing reads them again before the next backward).
+    """Model (half) grads -> float32 master grads, releasing each half grad as soon as
+    it is copied; pass ``pairs`` largest first (`largest_first`).
+
+    The copy goes chunk by chunk (one foreach copy each, a few chunks in all), so that
+    the half grads and the new float32 grads are never all alive together. Copying one
+    copy of everything holds 6 bytes per float16 element (2 half + 4 float32); chunk by
+    chunk the grads peak at 4 bytes per element plus 2 per element of the largest
+    tensor that is copied when fewer elements than its own are left (10 equal layers:
+    +0.2). That brings the optimizer step of naive/O2 with Adam from 20 bytes/param to
+    Megatron's 18 (2 half param + 4 master + 4 master grad + 8 Adam) plus that one
+    tensor (BENCHMARKS.md). A half grad someone else still holds is not freed, only
+    dropped from ``.grad``. Nothing reads the half grads after the copy: a skipped step
+    loses nothing that the one-copy version kept.
 
     A sparse grad becomes a coalesced float32 sparse master grad (duplicates summed in
     float32), which optimizers with sparse support (SGD, SparseAdam, Adagrad) step.
     """
-    model_grads, master_grads = [], []
+    dense = []
     for p, m in pairs:
         g = p.grad
         if g is None:
             m.grad = None
-            continue
-        if g.is_sparse:
+        elif g.is_sparse:
             m.grad = g.to(m.dtype).coalesce()
-            continue
-        if m.grad is None or m.grad.is_sparse:
-            m.grad = torch.empty_like(m)
-        model_grads.append(g)
-        master_grads.append(m.grad)
-    if model_grads:
-        torch._foreach_copy_(master_grads, model_grads)
-    for p, _ in pairs:
-        p.grad = None
+            p.grad = None
+        else:
+            dense.append((p, m))
+    for chunk in _chunks(dense):
+        for _, m in chunk:
+            if m.grad is None or m.grad.is_sparse:
+                m.grad = torch.empty_like(m)
+        torch._foreach_copy_([m.grad for _, m in chunk], [p.grad for p, _ in chunk])
+        for p, _ in chunk:
+            p.grad = None
 
 
 def copy_masters_to_model_(pairs: Pairs) -> None:

@@ -23,6 +23,7 @@ from mpfunc_torch._src.master_weights import (
     copy_grads_to_masters_,
     copy_masters_to_model_,
     follow_model_writes_,
+    largest_first,
     model_versions,
     release_master_grads_,
     swap_in_masters_,
@@ -137,6 +138,7 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def _index_params(self) -> None:
         source_of = {id(m): p for p, m in self._pairs}
+        self._copy_order = largest_first(self._pairs)
         self._owned = [q for g in self.optimizer.param_groups for q in g["params"]]
         self._sources = [source_of.get(id(q), q) for q in self._owned]
         self._sgd_first = fused.is_fused_sgd_with_momentum(self.optimizer)
@@ -261,7 +263,8 @@ class AmpOptimizer(torch.optim.Optimizer):
 
         Call it before inspecting or clipping gradients; `step` calls it otherwise.
         With master weights the model's half gradients are first copied into the float32
-        master gradients (one foreach copy), then unscaled there in one fused pass. Where
+        master gradients (chunk by chunk, each half gradient freed once copied), then
+        unscaled there in one fused pass. Where
         the scale can be below 1 they are checked again after unscaling (one more pass).
 
         Raises:
@@ -287,7 +290,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 all_reduce_found_inf_(f, self._groups)
                 torch.maximum(found, f, out=found)
         else:
-            copy_grads_to_masters_(self._pairs)
+            copy_grads_to_masters_(self._copy_order)
             coalesce_sparse_(self._owned)
             scaler = self._scalers[0]
             owned = grads_of(self._owned)

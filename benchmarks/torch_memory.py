@@ -1,0 +1,315 @@
+"""Peak memory at the optimizer step, in bytes per parameter, and step time: fp32, a
+hand-written fp16 + float32-master loop, and mpfunc_torch's master-weight modes.
+
+Memory is counted at the allocator, exactly. Each variant runs under
+``torch.profiler.profile(profile_memory=True)``, which reports every allocation and
+free of torch's CPU allocator (``c10::ProfiledCPUMemoryReporter``) with its size and
+address, in time order. The profiler starts *before* the model is built, so params,
+gradients, master weights, optimizer state, activations and every temporary (foreach
+outputs, scalars) are counted; only the frees of blocks allocated during this session
+are subtracted, so what other code allocated earlier is left out. The "step" window is
+a ``record_function`` range around what comes after ``backward``: mpfunc's
+``optimizer.step()``, and the hand-written loop's grads-to-masters copy, unscale,
+check, step and masters-to-model copy. Its peak is the highest running total of live
+bytes inside that window (the total at its start included). Buffers that a library
+allocates behind torch's allocator (oneDNN/MKL scratch inside matmuls) are not seen;
+none of them runs in the step window. The numbers are deterministic: the same command
+gives the same bytes.
+
+Time: one process, every variant takes its turn each round (interleaved), medians of
+the whole iteration (ratios to the hand-written loop) and of the step window alone.
+
+    python benchmarks/torch_memory.py [--width 1024] [--depth 10] [--batch 64]
+    python benchmarks/torch_memory.py --copy-ab   # the copy alone, old vs chunked
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import mpfunc_torch
+
+STEP = "mpfunc_bench::step"
+VARIANTS = ("fp32", "hand-written fp16 + fp32 masters", "mpfunc naive", "mpfunc apex O2")
+
+
+def make_model(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.GELU()]
+    layers.append(torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(*layers)
+
+
+def make_adam(params, kind: str) -> torch.optim.Optimizer:
+    if kind == "fused":
+        return torch.optim.Adam(params, lr=1e-4, fused=True)
+    return torch.optim.Adam(params, lr=1e-4, foreach=kind == "foreach")
+
+
+def make_step(name: str, net: torch.nn.Module, adam: str):
+    """One training iteration of variant ``name`` on ``net`` (float32, as built); the
+    part after ``backward`` runs inside ``record_function(STEP)``."""
+    crit = torch.nn.CrossEntropyLoss()
+    if name == "fp32":
+        opt = make_adam(net.parameters(), adam)
+
+        def step(x, y):
+            opt.zero_grad()
+            crit(net(x), y).backward()
+            t0 = time.perf_counter()
+            with record_function(STEP):
+                opt.step()
+            return time.perf_counter() - t0
+        return step
+    if name.startswith("hand-written"):
+        return _hand_written(net, crit, adam)
+    mode, cfg = {"mpfunc naive": ("naive", {"initial_scale": 2.0**16}),
+                 "mpfunc apex O2": ("apex", {"opt_level": "O2", "verbosity": 0})}[name]
+    model, opt, acrit = mpfunc_torch.convert_to_amp(net, make_adam(net.parameters(), adam),
+                                                    crit, mode=mode, **cfg)
+
+    def step(x, y):
+        opt.zero_grad()
+        opt.backward(acrit(model(x), y))
+        t0 = time.perf_counter()
+        with record_function(STEP):
+            opt.step()
+        return time.perf_counter() - t0
+    return step
+
+
+def _hand_written(net, crit, adam):
+    """The loop one writes by hand (as in NVIDIA's mixed-precision training guide):
+    float16 model, float32 masters stepped by the optimizer, a dynamic scale updated by
+    torch's GradScaler kernel; grads are cleared at the start of the next iteration."""
+    masters = [p.detach().clone() for p in net.parameters()]
+    for m in masters:
+        m.requires_grad_(True)
+    net.half()
+    params = list(net.parameters())
+    opt = make_adam(masters, adam)
+    scale = torch.tensor(2.0**16)
+    growth = torch.zeros((), dtype=torch.int32)
+    found = torch.zeros(())
+
+    def step(x, y):
+        net.zero_grad()
+        opt.zero_grad()
+        loss = crit(net(x.half()).float(), y)
+        (loss * scale).backward()
+        t0 = time.perf_counter()
+        with record_function(STEP), torch.no_grad():
+            for m in masters:
+                m.grad = torch.empty_like(m)
+            grads = [m.grad for m in masters]
+            torch._foreach_copy_(grads, [p.grad for p in params])
+            found.zero_()
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scale.reciprocal())
+            if not found.item():
+                opt.step()
+                torch._foreach_copy_(params, masters)
+            torch._amp_update_scale_(scale, growth, found, 2.0, 0.5, 2000)
+        return time.perf_counter() - t0
+    return step
+
+
+def allocation_peaks(run) -> dict[str, int]:
+    """Runs ``run()`` under the memory profiler; returns, in bytes, the peak of live
+    allocations (made during the run) over each ``STEP`` window and over the whole run."""
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+        gc.collect()
+    allocs, windows, stack = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.typed[0] == _EventType.Allocation:
+            f = e.typed[1]
+            if f.device.type == "cpu":
+                allocs.append((e.start_time_ns, f.ptr, f.alloc_size))
+        elif e.name == STEP:
+            windows.append((e.start_time_ns, e.end_time_ns))
+    allocs.sort(key=lambda a: a[0])
+    live: dict[int, int] = {}
+    times, totals, total = [], [], 0
+    for t, ptr, size in allocs:
+        if size > 0:
+            live[ptr] = size
+            total += size
+        elif ptr in live:  # only the frees of blocks allocated during this run
+            total -= live.pop(ptr)
+        times.append(t)
+        totals.append(total)
+    step_peaks, after = [], 0
+    for start, end in sorted(windows):
+        lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+        at_start = totals[lo - 1] if lo else 0  # what is live when the window opens
+        step_peaks.append(max([at_start, *totals[lo:hi]]))
+        after = totals[hi - 1] if hi else 0  # what is live when the window closes
+    return {"step_peaks": step_peaks, "peak": max(totals, default=0), "live_after": after}
+
+
+def memory_of(name: str, width: int, depth: int, batch: int, adam: str,
+              steps: int = 3) -> dict:
+    """Bytes per param of variant ``name``: the step peak of the last of ``steps``
+    iterations (the first ones create the optimizer state), the whole-run peak (with
+    activations) and what is live when the last step ends."""
+    box = {}
+
+    def run():
+        net = make_model(width, depth)
+        box["n"] = sum(p.numel() for p in net.parameters())
+        x = torch.randn(batch, width)
+        y = torch.randint(0, 10, (batch,))
+        step = make_step(name, net, adam)
+        for _ in range(steps):
+            step(x, y)
+
+    r = allocation_peaks(run)
+    n = box["n"]
+    return {"params": n, "step_peak_bytes": r["step_peaks"][-1],
+            "step_peaks_bytes": r["step_peaks"],
+            "step_peak_per_param": r["step_peaks"][-1] / n,
+            "run_peak_per_param": r["peak"] / n, "live_after_per_param": r["live_after"] / n}
+
+
+def time_steps(width, depth, batch, adam, rounds, iters) -> dict[str, float]:
+    x = torch.randn(batch, width)
+    y = torch.randint(0, 10, (batch,))
+    steps = {name: make_step(name, make_model(width, depth), adam) for name in VARIANTS}
+    for step in steps.values():  # warm up
+        step(x, y)
+        step(x, y)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    step_times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t0, in_step = time.perf_counter(), 0.0
+            for _ in range(iters):
+                in_step += step(x, y)
+            times[name].append((time.perf_counter() - t0) / iters)
+            step_times[name].append(in_step / iters)
+    return ({k: statistics.median(v) for k, v in times.items()},
+            {k: statistics.median(v) for k, v in step_times.items()})
+
+
+def copy_ab(width: int, depth: int, rounds: int = 30) -> dict[str, float]:
+    """Times the grads -> masters copy alone, interleaved in one process: one foreach
+    copy of everything (the hand-written loop, mpfunc before issue 15) against mpfunc's
+    chunked copy, on the same half grads. Returns medians in ms."""
+    from mpfunc_torch._src.master_weights import copy_grads_to_masters_, largest_first
+
+    net = make_model(width, depth)
+    masters = [p.detach().clone() for p in net.parameters()]
+    net.half()
+    params = list(net.parameters())
+    pairs = list(zip(params, masters))
+    grads = [torch.randn(p.shape).half() for p in params]
+
+    def one_copy(pairs):
+        for _, m in pairs:
+            m.grad = torch.empty_like(m)
+        torch._foreach_copy_([m.grad for _, m in pairs], [p.grad for p, _ in pairs])
+        for p, _ in pairs:
+            p.grad = None
+
+    def timed(fn, arg):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        t0 = time.perf_counter()
+        fn(arg)
+        t = time.perf_counter() - t0
+        for m in masters:
+            m.grad = None
+        return t
+
+    ts: dict[str, list[float]] = {"one foreach copy": [], "chunked": []}
+    for _ in range(rounds):
+        ts["one foreach copy"].append(timed(one_copy, pairs))
+        ts["chunked"].append(timed(copy_grads_to_masters_, largest_first(pairs)))
+    return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+
+
+def measure(args) -> dict:
+    mem = {name: memory_of(name, args.width, args.depth, args.batch, args.adam)
+           for name in VARIANTS}
+    med, med_step = (
+        time_steps(args.width, args.depth, args.batch, args.adam, args.rounds, args.iters)
+        if args.rounds else (dict.fromkeys(VARIANTS, float("nan")),) * 2)
+    ref = "hand-written fp16 + fp32 masters"
+    return {
+        "device": f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "torch": torch.__version__, "params": mem["fp32"]["params"], "width": args.width,
+        "depth": args.depth, "batch": args.batch, "adam": args.adam,
+        "rounds": args.rounds, "iters": args.iters, "memory": mem,
+        "median_step_ms": {k: v * 1e3 for k, v in med.items()},
+        "time_vs_hand_written": {k: v / med[ref] for k, v in med.items()},
+        "median_opt_step_ms": {k: v * 1e3 for k, v in med_step.items()},
+    }
+
+
+def to_markdown(r: dict) -> str:
+    adam = {"fused": "Adam(fused=True)", "foreach": "Adam(foreach=True)",
+            "single": "Adam(foreach=False)"}[r["adam"]]
+    lines = [
+        f"Device: {r['device']}; torch {r['torch']}; MLP of {r['depth']} "
+        f"Linear({r['width']})+LayerNorm+GELU blocks, {r['params']:,} params, batch "
+        f"{r['batch']}, {adam}. Bytes counted at torch's CPU allocator (profiler memory "
+        f"events); time: median of {r['rounds']} interleaved rounds x {r['iters']} steps.",
+        "",
+        "| variant | step peak (bytes/param) | run peak (bytes/param) | live after step "
+        "(bytes/param) | iteration (ms) | iteration vs hand-written | optimizer step (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for k, m in r["memory"].items():
+        lines.append(f"| {k} | {m['step_peak_per_param']:.2f} | {m['run_peak_per_param']:.2f} | "
+                     f"{m['live_after_per_param']:.2f} | {r['median_step_ms'][k]:.1f} | "
+                     f"{r['time_vs_hand_written'][k]:.3f}x | "
+                     f"{r['median_opt_step_ms'][k]:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--adam", default="fused", choices=["fused", "foreach", "single"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--copy-ab", action="store_true",
+                    help="only time the grads->masters copy, one-copy vs chunked")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.copy_ab:
+        r = copy_ab(args.width, args.depth)
+        print(", ".join(f"{k}: {v:.1f} ms" for k, v in r.items())
+              + f"; chunked / one copy: {r['chunked'] / r['one foreach copy']:.3f}")
+        return r
+    if args.memory_only:
+        args.rounds = 0
+    r = measure(args)
+    print(to_markdown(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return r
+
+
+if __name__ == "__main__":
+    main()
