@@ -115,7 +115,10 @@ def dtype_name(value: Any, arg: str, allowed=("float16", "bfloat16", "float32"))
     """Canonical name of a dtype given as a name or a framework dtype (``None`` passes)."""
     if value is None:
         return None
-    key = str(getattr(value, "name", None) or value).lower()
+    if isinstance(value, type) and value.__module__ != "builtins":
+        key = value.__name__.lower()  # a scalar type: jnp.bfloat16, np.float16
+    else:
+        key = str(getattr(value, "name", None) or value).lower()
     key = {"dtype(float16)": "float16"}.get(key, key)
     name = _DTYPE_NAMES.get(key)
     if name is None or name not in allowed:

@@ -4,6 +4,12 @@ Precision policies, op-level autocast, loss scaling as optax transformations, ma
 weights, and the torch / apex-like / naive / bf16 AMP modes.
 """
 
+from _mpfunc_common.mixed_precision import (
+    BF16MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
+)
 from mpfunc._src.autocast import AutocastLists, autocast
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
@@ -28,6 +34,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AmpSetup",
     "AutocastLists",
+    "BF16MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",

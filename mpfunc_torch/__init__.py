@@ -5,6 +5,13 @@ same loss-scale rule and presets as the JAX package (`LossScaler`), exact skips,
 inf check reduced over the process groups you name.
 """
 
+from _mpfunc_common.mixed_precision import (
+    BF16MixedPrecision,
+    FP16ApexMixedPrecision,
+    FP16NaiveMixedPrecision,
+    FP16TorchMixedPrecision,
+)
+from mpfunc_torch._src.booster import backward, boost
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.model import AmpCriterion, AmpModel
 from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
@@ -17,6 +24,12 @@ __all__ = [
     "AmpCriterion",
     "AmpModel",
     "AmpOptimizer",
+    "BF16MixedPrecision",
+    "FP16ApexMixedPrecision",
+    "FP16NaiveMixedPrecision",
+    "FP16TorchMixedPrecision",
     "LossScaler",
+    "backward",
+    "boost",
     "convert_to_amp",
 ]

@@ -83,3 +83,20 @@ def test_compare_modes(tmp_path):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1] == "yes" and cells[2] == "yes", row  # identical scale trajectories
         assert float(cells[3]) < 0.05, row
+
+
+def test_booster_tutorial():
+    """Colossal-AI's Booster tutorial loop (Steps 3-5) runs on mpfunc_torch: every
+    Booster name trains, the scheduler's warmup/decay reaches the wrapped optimizer, and
+    the tutorial's FP16TorchMixedPrecision object trains exactly as 'fp16' does."""
+    import re
+    out = run("booster_tutorial.py")
+    results = dict(re.findall(r"^result (\S+): (.*)$", out, re.MULTILINE))
+    assert sorted(results) == ["bf16", "fp16", "fp16_apex", "fp16_naive", "object"]
+    for name, line in results.items():
+        first, last, lrs, skipped = re.fullmatch(
+            r"loss (\S+) -> (\S+), lrs (\[.*\]), skipped (\d+)", line).groups()
+        assert float(last) < float(first) - 0.1, (name, line)   # it learns
+        assert lrs == "[0.003333, 0.006667, 0.01, 0.005]", (name, line)  # LinearWarmupLR
+        assert (int(skipped) > 0) == (name == "fp16_naive"), (name, line)  # 2**32 backs off
+    assert results["object"] == results["fp16"]

@@ -128,7 +128,7 @@ class TestErrors:
         with pytest.raises(ValueError, match="`device` must be 'cpu', 'cuda' or None"):
             self.convert(device="tpu")
 
-    @pytest.mark.parametrize("mode", ["Torch2", "", None, 3])
+    @pytest.mark.parametrize("mode", ["Torch2", "", 3])  # None means the default, "torch"
     def test_unknown_mode(self, mode):
         with pytest.raises(ValueError, match="`mode` must be one of \\['torch', 'apex', 'naive', 'bf16'\\]"):
             self.convert(mode)

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
+from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc._src.autocast import autocast
 from mpfunc._src.loss_scale import _scale_transform
 from mpfunc._src.master_weights import master_weights
@@ -96,8 +97,9 @@ def _cast_tree(tree, dtype, keep: Callable | None):
 def convert_to_amp(
     apply_fn: Callable,
     optimizer: optax.GradientTransformation,
-    mode: str = "torch",
+    mode: str | MixedPrecisionConfig | None = None,
     *,
+    mixed_precision: str | MixedPrecisionConfig | None = None,
     is_norm: Callable[[tuple, Any], bool] = is_norm_param,
     axis_name: Any = None,
     **config: Any,
@@ -129,7 +131,12 @@ def convert_to_amp(
     Args:
       apply_fn: ``apply_fn(params, *args, **kwargs)``.
       optimizer: the optax optimizer, e.g. ``optax.adamw(1e-3)``.
-      mode: ``"torch"``, ``"apex"``, ``"naive"`` or ``"bf16"``.
+      mode: ``"torch"``, ``"apex"``, ``"naive"`` or ``"bf16"``; None means ``"torch"``.
+        A Booster name or config object is accepted here too.
+      mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
+        ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, or a config
+        object such as ``mpfunc.FP16NaiveMixedPrecision(hysteresis=3)`` (hashable, so it
+        can be a static ``jit`` argument). Each means exactly the same mode and keys.
       is_norm: ``(path, leaf) -> bool`` marking normalisation params (O2).
       axis_name: mesh axes for the finite check under ``shard_map``.
       **config: the mode's keys (see ``mpfunc_torch.convert_to_amp``).
@@ -153,7 +160,7 @@ def convert_to_amp(
     if not isinstance(optimizer, optax.GradientTransformation | optax.GradientTransformationExtraArgs):
         raise TypeError("`optimizer` must be an optax GradientTransformation, got "
                         f"{type(optimizer).__name__}.")
-    plan = resolve_amp(mode, config)
+    plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
     if plan.verbose:  # apex's verbosity / naive's verbose, as on the torch side
         print(f"mpfunc.convert_to_amp: {plan.describe()}")
     f32 = jnp.float32

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from _mpfunc_common.amp_config import resolve_amp
+from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.master_weights import keep_half_masters, make_masters
 from mpfunc_torch._src.model import DTYPES, HALF, AmpCriterion, AmpModel, cast_model
@@ -67,8 +68,9 @@ def convert_to_amp(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     criterion: Callable | None = None,
-    mode: str | AMP_TYPE = "torch",
+    mode: str | AMP_TYPE | MixedPrecisionConfig | None = None,
     *,
+    mixed_precision: str | MixedPrecisionConfig | None = None,
     process_group: Any = None,
     device: str | None = None,
     **config: Any,
@@ -109,7 +111,12 @@ def convert_to_amp(
         one GradScaler): each skips or steps on its own gradients, and the scale updates
         once, after the last of them has stepped in the iteration.
       criterion: the loss function, wrapped to compute in float32; or None.
-      mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or an `AMP_TYPE`.
+      mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or an `AMP_TYPE`; None
+        means ``"torch"``. A Booster name or config object is accepted here too.
+      mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
+        ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, or a config
+        object such as ``FP16NaiveMixedPrecision(hysteresis=3)``. Each means exactly
+        the same mode and keys.
       process_group: a ``ProcessGroup`` or a sequence of them (e.g. tensor-parallel and
         pipeline groups): ``found_inf`` is MAX-all-reduced over each, so all their ranks
         skip or step together. None: no reduction (with plain DDP the gradients are
@@ -145,7 +152,7 @@ def convert_to_amp(
                             f"converted) or a list of them, got {type(opt).__name__}.")
     if not optimizers:
         raise ValueError("`optimizer` is an empty list.")
-    plan = resolve_amp(mode, config)
+    plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
     if len(optimizers) > 1 and plan.num_losses > 1:
         raise ValueError("`num_losses > 1` with several optimizers is not supported; use "
                          "one optimizer with per-loss scales, or one shared scale.")

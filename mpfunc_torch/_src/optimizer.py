@@ -22,6 +22,16 @@ __all__ = ["AmpOptimizer"]
 _READY, _BACKWARD, _UNSCALED = "ready", "backward", "unscaled"
 
 
+def _mark_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """A skipped step is still this iteration's optimizer step. torch's LR schedulers
+    wrap the inner optimizer's ``step`` to check, at their first ``step()``, that the
+    optimizer stepped first; a skipped step never reaches the inner ``step``, so record
+    the call as that wrapper does. Otherwise a correctly ordered loop whose first steps
+    overflow (naive starts at 2**32) gets a call-order warning (GradScaler users do)."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True
+
+
 class AmpOptimizer(torch.optim.Optimizer):
     """The wrapped optimizer: loss scaling, exact skips, master weights, inf-check reduction.
 
@@ -331,6 +341,8 @@ class AmpOptimizer(torch.optim.Optimizer):
                 if not found.item():  # the one host read of a non-fused step
                     self.optimizer.step()
                     copy_masters_to_model_(self._pairs)
+                else:
+                    _mark_step_called(self.optimizer)
                 stepped = found == 0
         if len(self._scalers) == 1:
             if self._shared.record(found):
