@@ -4,6 +4,12 @@ single-process reference runs the sharded runs are compared with.
 Imported by the test files and by `torch_scaleout_worker.py` (one process per rank).
 """
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -223,7 +229,7 @@ def reference(label, steps=3, inject=INJECT_STEP, clip=None, fused=False):
             net.blocks[0].fc1.weight.grad.view(-1)[0] = float("inf")
         norm = float(opt.clip_grad_norm(clip)) if clip is not None else None
         report.append((bool(opt.step()), float(opt.loss_scale), norm))
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"report": report, "losses": losses, "params": full_params(net, opt)}
 
 
@@ -237,3 +243,74 @@ def full_params(net, opt):
             t = t.full_tensor()
         out[name] = t.detach().float().clone()
     return out
+
+
+# -- launching the workers ---------------------------------------------------------------
+
+WORKER = Path(__file__).with_name("torch_scaleout_worker.py")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario, world, outdir, timeout=420):
+    """Runs ``scenario`` on ``world`` gloo ranks over loopback; raises with the failing
+    rank's stderr. Results land in ``outdir/SCENARIO-RANK.pt``."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               OMP_NUM_THREADS="1")
+    env.pop("XLA_FLAGS", None)
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), port,
+                               str(outdir)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    errors = []
+    try:
+        for r, p in enumerate(procs):
+            _, stderr = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                errors.append(f"rank {r} exited with {p.returncode}:\n{stderr[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+
+
+def launched(tmp_path_factory, scenario, world):
+    """The ranks' results of ``scenario``, run once per test session even under
+    pytest-xdist (the workers share the session's temp root and take turns on a lock)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "scaleout"
+    root.mkdir(exist_ok=True)
+    marker = root / f"{scenario}-{world}.status"
+    if scenario == "fsdp4":  # loads the 2-rank run's checkpoint
+        launched(tmp_path_factory, "fsdp", 2)
+    with FileLock(str(root / "lock")):
+        if not marker.exists():
+            try:
+                launch(scenario, world, root)
+                marker.write_text("ok")
+            except Exception as e:  # the other xdist worker reports the same failure
+                marker.write_text(f"failed: {e}")
+        status = marker.read_text()
+    if status != "ok":
+        raise RuntimeError(f"{scenario} on {world} ranks {status}")
+    return [torch.load(root / f"{scenario}-{r}.pt", weights_only=False) for r in range(world)]
+
+
+def update_error(params, ref_params, init_params):
+    """|sharded - reference| / |reference - initial| over all params (Frobenius): how far
+    the sharded run's total update is from the single-process one's."""
+    num = sum(((params[n] - ref_params[n]) ** 2).sum() for n in ref_params).sqrt()
+    den = sum(((ref_params[n] - init_params[n]) ** 2).sum() for n in ref_params).sqrt()
+    return float(num / den)
+
+
+def initial_params():
+    return {n: p.detach().float().clone() for n, p in make_model().named_parameters()}

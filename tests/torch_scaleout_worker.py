@@ -154,6 +154,18 @@ def fsdp_runs(labels):
                 results[key].update(masters_bytes(opt))
 
 
+def o2_unit_error():
+    """apex O2 keeps norms float32; a norm inside a float16 fully_shard unit is refused."""
+    net = tm.make_model()
+    for b in net.blocks:
+        fsdp_mod()[0](b, mesh=mesh_1d())
+    try:
+        convert(net, "O2")
+        results["o2_unit_error"] = None
+    except ValueError as e:
+        results["o2_unit_error"] = str(e)
+
+
 def dcp_run(ckpt):
     """naive under FSDP2: train, save with DCP, train on; then fresh objects load the
     checkpoint and must train on identically."""
@@ -242,15 +254,43 @@ def tp_runs(two_d):
         if two_d:
             shard(net, mesh["dp"], label)
         model, opt, crit = convert(net, label)
-        # The inf goes into fc2's bias, which is replicated over tp: a rank whose first
-        # gradient is replicated is where DTensor's own found_inf handler looks only
-        # along the other mesh dims.
         skips = []
         report, losses = train(model, opt, crit, rows, clip=tm.CLIP, inject_rank=world - 1,
                                inject_params=[net.blocks[0].fc1.weight], skips=skips)
         results[label] = {"report": report, "losses": losses, "params": full_state(net, opt),
                           "skip_exact": skips,
                           "groups": len(opt._groups)}
+
+
+def dtensor_handler_control():
+    """What the explicit reduction is for: given DTensor gradients, torch's own handler
+    for the fused check all-reduces found_inf only along the mesh dims where the *first*
+    gradient is not replicated. On a (dp, tp) mesh with a tp-replicated bias first, an inf
+    in one tp rank's shard of a tp-split weight stays on its dp column."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from mpfunc_torch._src import fused
+    from mpfunc_torch._src.sharding import mesh_groups
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    net = tm.make_model()
+    for b in net.blocks:
+        parallelize_module(b, mesh["tp"], tm.tp_plan())
+    shard(net, mesh["dp"], "torch")
+    x, y = tm.batch(0)
+    tm.loss_fn(net(x), y).backward()
+    grads = [net.blocks[0].o.bias.grad, net.blocks[0].fc1.weight.grad]
+    if rank == world - 1:
+        local(grads[1]).view(-1)[0] = float("inf")
+    theirs = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, theirs, torch.ones(()))
+    ours = torch.zeros(())
+    fused.unscale_and_check_(grads, ours, torch.ones(()))
+    for g in mesh_groups(net.parameters()):
+        dist.all_reduce(ours, op=dist.ReduceOp.MAX, group=g)
+    results["handler"] = {"torch_found_inf": float(theirs), "ours_found_inf": float(ours),
+                          "first_placements": str(grads[0].placements)}
 
 
 # -- hand-split (Megatron) tensor parallelism ----------------------------------------------
@@ -342,14 +382,14 @@ def pipeline_runs(tp_size):
             opt.backward_done()  # the schedule ran the scaled backward
             before = snapshot(opt) if i == tm.INJECT_STEP else None
             if i == tm.INJECT_STEP and rank == world - 1:
-                inject(list(part.parameters()))
+                inject([part.block.fc1.weight])  # split, not replicated, over tp
             norm = float(opt.clip_grad_norm(tm.CLIP))
+            used = float(opt.loss_scale)  # the scale this step's losses were scaled by
             report.append((bool(opt.step()), float(opt.loss_scale), norm))
             if before is not None:
                 skips.append(unchanged(before, opt))
-            if mb_losses:  # scaled by the loss scale of that step
-                losses.append(float(sum(mb_losses) / len(mb_losses)) / report[-1][1]
-                              if report[-1][0] else None)
+            if mb_losses:  # the microbatches' scaled losses: their mean, unscaled
+                losses.append(float(sum(mb_losses) / len(mb_losses)) / used)
         master_of = {id(p): m for p, m in opt._pairs}
         values = {tm.stage_names(stage, n): master_of.get(id(p), p)
                   for n, p in part.named_parameters()}
@@ -362,6 +402,7 @@ def pipeline_runs(tp_size):
 ALL = [label for label, _, _ in tm.MODES]
 if scenario == "fsdp":  # every mode on 2 ranks, then DCP: save, reload, and N = 1 bytes
     fsdp_runs(ALL)
+    o2_unit_error()
     dcp_run(outdir / "ckpt")
     single_rank_bytes()
 elif scenario == "fsdp4":  # 4 ranks: two modes, and the 2-rank checkpoint resharded
@@ -371,6 +412,7 @@ elif scenario == "tp":
     tp_runs(two_d=False)
 elif scenario == "fsdp_tp":
     tp_runs(two_d=True)
+    dtensor_handler_control()
 elif scenario == "megatron":
     megatron_runs(lambda: (dist.group.WORLD, rank, world, dist.group.WORLD))
 elif scenario == "pipeline":
