@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-
 import torch_scaleout_models as tm
 
 pytestmark = pytest.mark.slow
@@ -29,12 +28,12 @@ POLICY_TOL = 0.2
 
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory):
-    return tm.launched(tmp_path_factory, "fsdp", 2)
+    return tm.launched(tmp_path_factory, "two", 2, "fsdp")
 
 
 @pytest.fixture(scope="module")
 def fsdp4(tmp_path_factory):
-    return tm.launched(tmp_path_factory, "fsdp4", 4)
+    return tm.launched(tmp_path_factory, "four", 4, "fsdp")
 
 
 _REFS = {}

@@ -5,7 +5,6 @@ each on 4 ranks. The inf check and the clipping norm are reduced over the pipeli
 """
 
 import pytest
-
 import torch_scaleout_models as tm
 from test_torch_fsdp import TOL, check_run, reference
 
@@ -16,12 +15,12 @@ LABELS = [label for label, _, _ in tm.MODES]
 
 @pytest.fixture(scope="module")
 def pipe2(tmp_path_factory):
-    return tm.launched(tmp_path_factory, "pipeline", 2)
+    return tm.launched(tmp_path_factory, "two", 2, "pipeline")
 
 
 @pytest.fixture(scope="module")
 def pipe4(tmp_path_factory):
-    return tm.launched(tmp_path_factory, "pipeline", 4)
+    return tm.launched(tmp_path_factory, "four", 4, "pipeline")
 
 
 @pytest.mark.parametrize("label", LABELS)

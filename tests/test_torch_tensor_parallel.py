@@ -8,29 +8,29 @@ import math
 
 import pytest
 import torch
+import torch_scaleout_models as tm
 from hypothesis import given
 from hypothesis import strategies as st
+from test_torch_fsdp import TOL, check_run, reference
 
 import mpfunc_torch
-import torch_scaleout_models as tm
-from test_torch_fsdp import TOL, check_run, reference
 
 LABELS = [label for label, _, _ in tm.MODES]
 
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    return tm.launched(tmp_path_factory, "tp", 2)
+    return tm.launched(tmp_path_factory, "two", 2, "tp")
 
 
 @pytest.fixture(scope="module")
 def fsdp_tp4(tmp_path_factory):
-    return tm.launched(tmp_path_factory, "fsdp_tp", 4)
+    return tm.launched(tmp_path_factory, "four", 4, "fsdp_tp")
 
 
 @pytest.fixture(scope="module")
 def megatron2(tmp_path_factory):
-    return tm.launched(tmp_path_factory, "megatron", 2)
+    return tm.launched(tmp_path_factory, "two", 2, "megatron")
 
 
 @pytest.mark.slow

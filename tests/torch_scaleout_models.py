@@ -280,17 +280,18 @@ def launch(scenario, world, outdir, timeout=420):
         raise RuntimeError("\n".join(errors))
 
 
-def launched(tmp_path_factory, scenario, world):
-    """The ranks' results of ``scenario``, run once per test session even under
-    pytest-xdist (the workers share the session's temp root and take turns on a lock)."""
+def launched(tmp_path_factory, scenario, world, section):
+    """The ranks' results of ``section`` of ``scenario``, run once per test session even
+    under pytest-xdist (the workers share the session's temp root and take turns on a
+    lock)."""
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "scaleout"
     root.mkdir(exist_ok=True)
     marker = root / f"{scenario}-{world}.status"
-    if scenario == "fsdp4":  # loads the 2-rank run's checkpoint
-        launched(tmp_path_factory, "fsdp", 2)
+    if scenario == "four":  # loads the 2-rank run's checkpoint
+        launched(tmp_path_factory, "two", 2, "fsdp")
     with FileLock(str(root / "lock")):
         if not marker.exists():
             try:
@@ -301,7 +302,8 @@ def launched(tmp_path_factory, scenario, world):
         status = marker.read_text()
     if status != "ok":
         raise RuntimeError(f"{scenario} on {world} ranks {status}")
-    return [torch.load(root / f"{scenario}-{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(root / f"{scenario}-{r}.pt", weights_only=False)[section]
+            for r in range(world)]
 
 
 def update_error(params, ref_params, init_params):

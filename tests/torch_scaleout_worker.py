@@ -1,9 +1,9 @@
 """One rank of the scale-out tests (FSDP2, DTensor TP, hand-split TP, pipelining, DCP).
 
-Usage: python torch_scaleout_worker.py SCENARIO RANK WORLD_SIZE PORT OUTDIR
-Writes OUTDIR/SCENARIO-RANK.pt: {run name: {"report": [(stepped, scale, norm)],
-"losses": [...], "params": {name: float32 tensor} (full values, rank 0 or per stage),
-...}} and prints "RESULT ok".
+Usage: python torch_scaleout_worker.py {two,four} RANK WORLD_SIZE PORT OUTDIR
+Writes OUTDIR/SCENARIO-RANK.pt: {section: {run name: {"report": [(stepped, scale,
+norm)], "losses": [...], "params": {name: float32 tensor} (full values; per stage for
+pipelines), ...}}} and prints "RESULT ok".
 """
 
 import sys
@@ -400,26 +400,28 @@ def pipeline_runs(tp_size):
 
 
 ALL = [label for label, _, _ in tm.MODES]
-if scenario == "fsdp":  # every mode on 2 ranks, then DCP: save, reload, and N = 1 bytes
-    fsdp_runs(ALL)
-    o2_unit_error()
-    dcp_run(outdir / "ckpt")
-    single_rank_bytes()
-elif scenario == "fsdp4":  # 4 ranks: two modes, and the 2-rank checkpoint resharded
-    fsdp_runs(["naive", "torch"])
-    reshard_run(outdir / "ckpt")
-elif scenario == "tp":
-    tp_runs(two_d=False)
-elif scenario == "fsdp_tp":
-    tp_runs(two_d=True)
-    dtensor_handler_control()
-elif scenario == "megatron":
-    megatron_runs(lambda: (dist.group.WORLD, rank, world, dist.group.WORLD))
-elif scenario == "pipeline":
-    pipeline_runs(tp_size=world // 2)
-else:
-    raise SystemExit(f"unknown scenario {scenario!r}")
-
+SECTIONS = {
+    # 2 ranks: every mode under FSDP2, DCP save / reload and the N = 1 bytes; DTensor TP;
+    # the Megatron split; 2 pipeline stages.
+    "two": [("fsdp", lambda: (fsdp_runs(ALL), o2_unit_error(), dcp_run(outdir / "ckpt"),
+                              single_rank_bytes())),
+            ("tp", lambda: tp_runs(two_d=False)),
+            ("megatron", lambda: megatron_runs(
+                lambda: (dist.group.WORLD, rank, world, dist.group.WORLD))),
+            ("pipeline", lambda: pipeline_runs(tp_size=1))],
+    # 4 ranks: FSDP2 in two modes and the 2-rank checkpoint resharded; FSDP2 + TP on a
+    # 2 x 2 mesh; 2 pipeline stages of 2 hand-split tensor-parallel ranks.
+    "four": [("fsdp", lambda: (fsdp_runs(["naive", "torch"]), reshard_run(outdir / "ckpt"))),
+             ("fsdp_tp", lambda: (tp_runs(two_d=True), dtensor_handler_control())),
+             ("pipeline", lambda: pipeline_runs(tp_size=2))],
+}
+# One launch runs several sections: starting the processes (importing torch) costs more
+# than the runs themselves.
+everything = {}
+for section, run in SECTIONS[scenario]:
+    results = everything[section] = {}
+    run()
+results = everything
 torch.save(results, outdir / f"{scenario}-{rank}.pt")
 print("RESULT ok", flush=True)
 dist.barrier()
