@@ -1,19 +1,12 @@
 """Tensor parallelism: DTensor (``parallelize_module``) alone on 2 ranks and with FSDP2 on
 a 2 x 2 mesh, and a hand split (Megatron style, plain tensors and a process group) on 2
-ranks. Every mode, global gradient clipping, an inf in one rank's shard. Also the
-single-process behaviour of `mpfunc_torch.clip_grad_norm_` and `mark_replicated`.
+ranks. Every mode, global gradient clipping, an inf in one rank's shard.
 """
-
-import math
 
 import pytest
 import torch
 import torch_scaleout_models as tm
-from hypothesis import given
-from hypothesis import strategies as st
 from test_torch_fsdp import TOL, check_run, reference
-
-import mpfunc_torch
 
 LABELS = [label for label, _, _ in tm.MODES]
 
@@ -76,45 +69,3 @@ def test_per_rank_clipping_breaks_a_hand_split_model(megatron2):
     # ...so the replicated params (norms, embeddings, the head) drift apart across ranks.
     p0, p1 = (r["torch_clip_per_rank"]["params"] for r in megatron2)
     assert not torch.equal(p0["ln.weight"], p1["ln.weight"])
-
-
-# -- single process ----------------------------------------------------------------------
-
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=5),
-       st.sampled_from([1.0, 2.0, 3.0, math.inf]), st.floats(0.01, 10.0),
-       st.integers(0, 2**16))
-def test_clip_grad_norm_equals_torch_without_groups(sizes, norm_type, max_norm, seed):
-    g = torch.Generator().manual_seed(seed)
-    ours = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
-    theirs = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
-    for a, b in zip(ours, theirs):
-        a.grad = torch.randn(a.shape, generator=g)
-        b.grad = a.grad.clone()
-    total = mpfunc_torch.clip_grad_norm_(ours, max_norm, norm_type)
-    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
-    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
-    for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
-
-
-def test_clip_grad_norm_counts_half_grads_in_float32():
-    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
-    p.grad = torch.full((4,), 60000.0, dtype=torch.float16)  # its norm overflows float16
-    assert float(mpfunc_torch.clip_grad_norm_([p], 1e9)) == pytest.approx(120000.0)
-
-
-def test_clip_grad_norm_bad_input():
-    p = torch.nn.Parameter(torch.zeros(2))
-    with pytest.raises(ValueError, match="`max_norm`"):
-        mpfunc_torch.clip_grad_norm_([p], 0.0)
-    with pytest.raises(ValueError, match="`norm_type`"):
-        mpfunc_torch.clip_grad_norm_([p], 1.0, norm_type=-1.0)
-    with pytest.raises(TypeError, match="`norm_type`"):
-        mpfunc_torch.clip_grad_norm_([p], 1.0, norm_type="2")
-
-
-def test_mark_replicated_bad_input():
-    with pytest.raises(ValueError, match="`process_group`"):
-        mpfunc_torch.mark_replicated(torch.zeros(2), None)
-    with pytest.raises(TypeError, match="`process_group`"):
-        mpfunc_torch.mark_replicated(torch.zeros(2), "tp")

@@ -52,6 +52,11 @@ def mark_replicated(params: torch.Tensor | Iterable[torch.Tensor], process_group
       >>> # with torch.distributed initialised and `tp` the tensor-parallel group:
       >>> # mpfunc_torch.mark_replicated(norm.parameters(), tp)
     """
+    items = process_group if isinstance(process_group, list | tuple) else [process_group]
+    if process_group is not None and not all(
+            isinstance(g, torch.distributed.ProcessGroup) for g in items):
+        raise TypeError("`process_group` must be a torch.distributed.ProcessGroup or a "
+                        f"sequence of them, got {process_group!r}.")
     groups = normalize_groups(process_group)
     if not groups:
         raise ValueError("`process_group` must be a ProcessGroup or a non-empty sequence of "
@@ -86,9 +91,15 @@ def _check_norm_type(norm_type: Any) -> float:
 
 
 def _values(g: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient as a dense tensor that aliases it: a DTensor's local
+    shard, a sparse gradient's values (it must be coalesced: an uncoalesced tensor's
+    values are a temporary copy, and clipping them would not reach the gradient)."""
     g = local(g)
     if g.is_sparse:
-        g = g.coalesce()._values()
+        if not g.is_coalesced():
+            raise ValueError("a sparse gradient is not coalesced; coalesce it into "
+                             "`param.grad` first (param.grad = param.grad.coalesce()).")
+        g = g._values()
     return g
 
 
@@ -105,14 +116,18 @@ def _first_on_replicas(grad: torch.Tensor, marks: Sequence[Any]) -> bool:
     return True
 
 
+def _by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    out: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
 def _power_sum(grads: Sequence[torch.Tensor], norm_type: float,
                device: torch.device) -> torch.Tensor:
     """sum |g|^p over ``grads`` (max |g| for p = inf), float32, on ``device``."""
     acc = torch.zeros((), dtype=torch.float32, device=device)
-    by_key: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        by_key.setdefault((g.device, g.dtype), []).append(g)
-    for (dev, _dtype), group in by_key.items():
+    for group in _by_device_dtype(grads).values():
         norms = torch._foreach_norm(group, norm_type, dtype=torch.float32)
         stacked = torch.stack(norms).to(device)
         if math.isinf(norm_type):
@@ -158,6 +173,16 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
     if not params:
         return torch.zeros((), dtype=torch.float32)
     device = local(params[0]).device
+    if not groups and not any(is_dtensor(p) or replicated_over(p, s)
+                              for p, s in zip(params, sources)):
+        # One rank holds everything: torch's get_total_norm, computed in float32 (the
+        # same bits for float32 gradients; no float16 overflow for half ones).
+        values = [_values(p.grad) for p in params if p.grad is not None]
+        norms = [n.to(device) for group in _by_device_dtype(values).values()
+                 for n in torch._foreach_norm(group, norm_type, dtype=torch.float32)]
+        if not norms:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
     plain: list[torch.Tensor] = []
     meshes: list[tuple[Any, list[torch.Tensor]]] = []
     for p, src in zip(params, sources):

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpfunc_torch._src import checkpoint
+
 __all__ = ["get_state_dict", "set_state_dict", "MASTER_KEY", "MPFUNC_KEY"]
 
 MASTER_KEY = "master_weight"
@@ -185,14 +187,17 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
                    optim_state_dict: dict[str, Any], options: Any = None) -> None:
     """torch's ``set_state_dict`` for what `get_state_dict` made (after ``dcp.load``).
 
-    The optimizer part is checked first (mode, loss-scale state, master weights, inner
-    state, all through `AmpOptimizer.load_state_dict`'s checks); only then are the
-    model and the optimizers written. The masters are written into the model's params,
-    so training continues exactly where the checkpoint was taken.
+    Everything is checked first: the model's keys and shapes (unless ``options`` says
+    ``strict=False``), and the optimizer part with every check of
+    `AmpOptimizer.load_state_dict` (mode, loss-scale state, master weights, inner
+    state). Only then are the model and the optimizers written, so a bad checkpoint
+    changes nothing. The masters are written into the model's params, so training
+    continues exactly where the checkpoint was taken.
 
     Raises:
       ValueError: ``optim_state_dict`` lacks the ``"mpfunc"`` entry (it was not made by
-        `get_state_dict`), or any check of `AmpOptimizer.load_state_dict` fails.
+        `get_state_dict`), the model state does not fit the model, or any check of
+        `AmpOptimizer.load_state_dict` fails.
     """
     api = _checkpoint_api()
     opts = _amp_optimizers(optimizers)
@@ -206,9 +211,29 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
     # torch maps names back to positions and hands each view its part.
     api.set_optimizer_state_dict(module, views, rest, options=options)
     converted = [_to_amp_state_dict(v, own) for v in views]
+    for o, sd in zip(opts, converted):
+        checkpoint.check(o, sd)
+    if getattr(options, "strict", True):
+        _check_model_state(module, model_state_dict)
     api.set_model_state_dict(module, model_state_dict, options=options)
     for o, sd in zip(opts, converted):
         o.load_state_dict(sd)
+
+
+def _check_model_state(module: nn.Module, state: dict[str, Any]) -> None:
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"`model_state_dict` does not fit the model: missing keys "
+                         f"{missing[:5]}, unexpected keys {unexpected[:5]}.")
+    for k, v in expected.items():
+        got = state[k]
+        if isinstance(v, torch.Tensor) and (not isinstance(got, torch.Tensor)
+                                            or got.shape != v.shape):
+            found = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise ValueError(f"`model_state_dict[{k!r}]` must have shape {tuple(v.shape)}, "
+                             f"got {found}.")
 
 
 def _to_amp_state_dict(view: _View, own: dict[str, Any]) -> dict[str, Any]:

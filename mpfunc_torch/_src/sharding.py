@@ -9,7 +9,7 @@ params live on, so that an overflow in one rank's shard makes every rank skip.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ __all__ = [
     "mesh_groups",
     "cast_module_",
     "fsdp_units",
-    "check_fsdp_dtypes",
+    "check_fsdp_units",
     "local_bytes",
 ]
 
@@ -109,16 +109,30 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, n
     return out
 
 
-def check_fsdp_dtypes(model: nn.Module) -> None:
-    """FSDP2 all-gathers each unit's params as one buffer, so they must share a dtype;
-    otherwise its first forward fails with an AssertionError. Say what to do instead."""
-    for name, _unit, params in fsdp_units(model):
-        dtypes = {p.dtype for _, p in params if p.requires_grad}
+def check_fsdp_units(model: nn.Module, dtype_of: Callable[[nn.Parameter], torch.dtype]) -> None:
+    """Before a cast that gives ``model``'s params the dtypes ``dtype_of`` says: refuses
+    what FSDP2 cannot take, with what to do instead.
+
+    * A ``fully_shard`` unit that already ran a forward has fixed its dtypes (FSDP2 reads
+      them once, at its lazy init): convert before the first forward.
+    * FSDP2 all-gathers each unit's params as one buffer, so they must share a dtype;
+      otherwise its first forward fails with an AssertionError.
+    """
+    for name, unit, params in fsdp_units(model):
+        where = f"`model.{name}`" if name else "`model`"
+        try:
+            state = unit._get_fsdp_state()
+        except (AttributeError, AssertionError):  # pragma: no cover - other torch versions
+            state = None
+        if getattr(state, "_is_root", None) is not None:
+            raise ValueError(
+                f"{where} (fully_shard) has already run a forward, which fixed its dtypes; "
+                "call convert_to_amp after fully_shard and before the first forward.")
+        dtypes = {dtype_of(p) for _, p in params if p.requires_grad}
         if len(dtypes) > 1:
             by_dtype: dict[torch.dtype, list[str]] = {}
             for pn, p in params:
-                by_dtype.setdefault(p.dtype, []).append(pn)
-            where = f"`model.{name}`" if name else "`model`"
+                by_dtype.setdefault(dtype_of(p), []).append(pn)
             listing = "; ".join(f"{str(d).replace('torch.', '')}: {names[:3]}"
                                 for d, names in by_dtype.items())
             raise ValueError(
