@@ -13,7 +13,13 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from _mpfunc_common.scale_config import ScaleConfig, resolve_scale_config
+from _mpfunc_common.scale_config import (
+    FLOAT32_MAX,
+    FLOAT32_MIN_NORMAL,
+    ScaleConfig,
+    resolve_scale_config,
+    to_float32,
+)
 
 __all__ = [
     "MODES",
@@ -252,6 +258,9 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
             backoff_factor=cfg["backoff_factor"],
             growth_interval=cfg["growth_interval"],
         )
+        if cfg["dtype"] is None:
+            raise ValueError("`dtype` must be 'float16' or 'bfloat16' (the autocast dtype), "
+                             "got None; for plain float32 training pass enabled=False.")
         dtype = dtype_name(cfg["dtype"], "dtype", allowed=("float16", "bfloat16"))
         return AmpPlan(mode="torch", autocast_dtype=dtype, scale_kind="dynamic",
                        scale_config=scale)
@@ -333,9 +342,11 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
         )
         kind, static = "dynamic", 1.0
     elif isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
-        if not (math.isfinite(loss_scale) and loss_scale > 0):
-            raise ValueError(f"`loss_scale` must be 'dynamic' or a finite number > 0, got {loss_scale!r}.")
-        scale_cfg, kind, static = None, "static", float(loss_scale)
+        static = to_float32(float(loss_scale))
+        if not FLOAT32_MIN_NORMAL <= static <= FLOAT32_MAX:
+            raise ValueError("`loss_scale` must be 'dynamic' or a number in [2**-126, 3.4e38] "
+                             f"(a normal float32), got {loss_scale!r}.")
+        scale_cfg, kind = None, "static"
         if min_s is not None:
             # apex silently ignores a floor with a static scale; we say so instead.
             raise ValueError(

@@ -7,6 +7,10 @@ final loss scale, ratios against each framework's float32 run), a cross-framewor
 parity report (same loss-scale trajectory? skips at the same steps? loss curves apart by
 how much?), and saves a PNG of the loss curves and loss-scale trajectories.
 
+Speed is measured after training, in rounds that time a few more steps of every run back
+to back (round-robin), so a busy spell on a shared machine slows all runs of a round
+alike: the table shows the median over rounds and the min-max of the per-round ratios.
+
     python examples/compare_modes.py --quick            # < 2 minutes on 2 CPU cores
     python examples/compare_modes.py --device cuda --steps 2000 --batch 64 --width 256
 """
@@ -140,43 +144,42 @@ def bar(total, desc, quiet):
 
 
 def run_torch(name, cfg, data, evals):
+    """Trains one mode; returns its result and a `timed(n)` that runs n more steps."""
     import torch
 
     import mpfunc_torch
 
     mode, config = MODES[name]
     dev = torch.device("cuda" if cfg.device == "cuda" else "cpu")
+    # Earlier runs stay alive for the timing rounds: count only what this run adds.
+    base_mem = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
     net = torch_model(cfg).to(dev)
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, fused=True)
     model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(),
                                                    mode=mode, **config)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+
+    def step(x, y):
+        x = torch.from_numpy(x).long().to(dev)
+        y = torch.from_numpy(y).long().to(dev)
+        opt.zero_grad()
+        loss = crit(model(x).flatten(0, 1), y.flatten())
+        opt.backward(loss)
+        opt.step()
+        return loss
+
     losses, scales = [], []
-    t0 = None
     with bar(cfg.steps, f"torch {name}", cfg.quiet) as pb:
-        for i, (x, y) in enumerate(data):
-            if i == cfg.warmup:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-            x = torch.from_numpy(x).long().to(dev)
-            y = torch.from_numpy(y).long().to(dev)
-            opt.zero_grad()
-            loss = crit(model(x).flatten(0, 1), y.flatten())
-            opt.backward(loss)
-            opt.step()
-            losses.append(loss.detach())
+        for x, y in data:
+            losses.append(step(x, y).detach())
             scales.append(opt.loss_scale.detach().clone())
             pb.update()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
     with torch.no_grad():
         ev = [crit(model(torch.from_numpy(x).long().to(dev)).flatten(0, 1),
                    torch.from_numpy(y).long().to(dev).flatten()).item() for x, y in evals]
     if dev.type == "cuda":
-        mem, mem_kind = torch.cuda.max_memory_allocated(), "peak"
+        mem, mem_kind = torch.cuda.max_memory_allocated() - base_mem, "peak"
     else:
         tensors = [p for p in net.parameters()] + [p.grad for p in net.parameters()]
         tensors += [m for _, m in opt._pairs] + [m.grad for _, m in opt._pairs]
@@ -185,14 +188,24 @@ def run_torch(name, cfg, data, evals):
         mem = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         mem_kind = "state"
     metrics = opt.scale_metrics(as_python=True)
+
+    def timed(n, start):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(start, start + n):
+            step(*data[i % len(data)])
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     return {
         "framework": "torch", "mode": name, "mem": mem, "mem_kind": mem_kind,
-        "steps_s": (cfg.steps - cfg.warmup) / elapsed,
         "losses": torch.stack(losses).float().cpu().numpy(),
         "scales": torch.stack(scales).cpu().numpy(),
         "eval": float(np.mean(ev)), "skipped": metrics["skipped_steps"],
         "scale": metrics["loss_scale"],
-    }
+    }, timed
 
 
 def run_jax(name, cfg, data, evals, init_params):
@@ -220,52 +233,89 @@ def run_jax(name, cfg, data, evals, init_params):
         return optax.apply_updates(params, updates), state, loss, mpfunc.loss_scale(state)
 
     losses, scales = [], []
-    t0 = None
     with jax.numpy_dtype_promotion("standard"), bar(cfg.steps, f"jax   {name}", cfg.quiet) as pb:
-        for i, (x, y) in enumerate(data):
-            if i == cfg.warmup:
-                jax.block_until_ready(params)
-                t0 = time.perf_counter()
+        for x, y in data:
             params, state, loss, scale = step(params, state, x, y)
             losses.append(loss)
             scales.append(scale)
             pb.update()
         jax.block_until_ready(params)
-        elapsed = time.perf_counter() - t0
         ev = [float(jax.jit(loss_fn)(params, x, y)) for x, y in evals]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "peak_bytes_in_use" in stats:
-        mem, mem_kind = stats["peak_bytes_in_use"], "peak"
+    if cfg.device == "cuda":
+        # XLA's peak for one compiled step (arguments, temporaries, outputs): the device's
+        # own peak_bytes_in_use only ever grows over the process, so it would carry the
+        # largest earlier run into every later one.
+        with jax.numpy_dtype_promotion("standard"):
+            compiled = step.lower(params, state, *data[0]).compile()
+        mem, mem_kind = compiled.memory_analysis().peak_memory_in_bytes, "peak"
     else:
         mem = sum(x.nbytes for x in jax.tree.leaves((params, state)) if hasattr(x, "nbytes"))
         mem += sum(x.nbytes for x in jax.tree.leaves(params) if hasattr(x, "nbytes"))  # grads
         mem_kind = "state"
     m = mpfunc.scale_metrics(state)
-    return {
+    result = {
         "framework": "jax", "mode": name, "mem": mem, "mem_kind": mem_kind,
-        "steps_s": (cfg.steps - cfg.warmup) / elapsed,
         "losses": np.asarray(jax.device_get(losses), np.float32),
         "scales": np.asarray(jax.device_get(scales), np.float32),
         "eval": float(np.mean(ev)), "skipped": int(m["skipped_steps"]),
         "scale": float(m["loss_scale"]),
     }
+    live = [params, state]
+
+    def timed(n, start):
+        with jax.numpy_dtype_promotion("standard"):
+            jax.block_until_ready(live)
+            t0 = time.perf_counter()
+            for i in range(start, start + n):
+                live[0], live[1], _, _ = step(live[0], live[1], *data[i % len(data)])
+            jax.block_until_ready(live)
+            return time.perf_counter() - t0
+
+    return result, timed
+
+
+def time_interleaved(timers, cfg):
+    """Steps/s of every run, timed round-robin so a busy spell slows all runs alike.
+
+    Each round times `cfg.window` further training steps of every run back to back (the
+    starting run rotates), so the runs of one round share the machine's load. Returns,
+    per run, one steps/s figure per round.
+    """
+    keys = list(timers)
+    rates = {k: [] for k in keys}
+    start = 0
+    with bar(cfg.rounds * len(keys), "timing", cfg.quiet) as pb:
+        for r in range(cfg.rounds):
+            for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+                rates[k].append(cfg.window / timers[k](cfg.window, start))
+                pb.update()
+            start += cfg.window
+    return rates
 
 
 # ---------------------------------------------------------------------------- reports
 def table(results, cfg):
+    """The main table. Speeds are medians over the interleaved timing rounds; the speed
+    ratio is the median of the per-round ratios (both runs timed in the same round), with
+    its min-max over the rounds in brackets."""
     base = {r["framework"]: r for r in results if r["mode"] == "fp32"}
     kind = results[0]["mem_kind"]
     head = (f"| framework | mode | {'peak' if kind == 'peak' else 'state after a step'} MiB "
             "| steps/s | samples/s | train loss | eval loss | skipped | loss scale "
-            "| speed vs fp32 | memory vs fp32 |")
+            "| speed vs fp32 (min-max) | memory vs fp32 |")
     lines = [head, "|" + " --- |" * 11]
     for r in results:
         b = base.get(r["framework"])
-        speed = f"{r['steps_s'] / b['steps_s']:.2f}x" if b else "-"
+        steps_s = float(np.median(r["rates"]))
+        if b:
+            ratios = np.asarray(r["rates"]) / np.asarray(b["rates"])
+            speed = f"{np.median(ratios):.2f}x ({ratios.min():.2f}-{ratios.max():.2f})"
+        else:
+            speed = "-"
         memr = f"{r['mem'] / b['mem']:.2f}x" if b else "-"
         lines.append(
-            f"| {r['framework']} | {r['mode']} | {r['mem'] / 2**20:.1f} | {r['steps_s']:.1f} "
-            f"| {r['steps_s'] * cfg.batch:.0f} | {np.mean(r['losses'][-10:]):.4f} "
+            f"| {r['framework']} | {r['mode']} | {r['mem'] / 2**20:.1f} | {steps_s:.1f} "
+            f"| {steps_s * cfg.batch:.0f} | {np.mean(r['losses'][-10:]):.4f} "
             f"| {r['eval']:.4f} | {r['skipped']} | {r['scale']:g} | {speed} | {memr} |")
     return "\n".join(lines)
 
@@ -288,23 +338,56 @@ def parity(results):
 
 
 def plot(results, path):
+    """Loss curves and loss-scale trajectories: one colour per mode (the same in both
+    panels and frameworks), solid lines for JAX and dashed for torch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    modes = list(dict.fromkeys(r["mode"] for r in results))
+    colour = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(modes)}
+    style = {"jax": "-", "torch": "--"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
     for r in results:
-        style = "-" if r["framework"] == "jax" else "--"
-        a.plot(r["losses"], style, lw=1, label=f"{r['framework']} {r['mode']}")
+        kw = dict(color=colour[r["mode"]], linestyle=style[r["framework"]],
+                  label=f"{r['framework']} {r['mode']}")
+        a.plot(r["losses"], lw=1, **kw)
         if r["mode"] != "fp32":
-            b.plot(r["scales"], style, lw=1.2, label=f"{r['framework']} {r['mode']}")
-    a.set(title="training loss", xlabel="step", ylabel="cross-entropy")
-    b.set(title="loss scale", xlabel="step", yscale="log")
+            b.plot(r["scales"], lw=1.2, **kw)
+    a.set(title="training loss (modes that agree draw over each other)", xlabel="step",
+          ylabel="cross-entropy (nats)")
+    b.set(title="loss scale (skipped steps back it off)", xlabel="step",
+          ylabel="loss scale (log scale)", yscale="log")
     a.legend(fontsize=7, ncol=2)
     b.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cuda_problems(frameworks):
+    """Why ``--device cuda`` cannot run here, per framework (empty when it can)."""
+    problems = []
+    if "torch" in frameworks:
+        import torch
+
+        if torch.version.cuda is None:
+            problems.append(f"torch {torch.__version__} is a CPU-only build")
+        elif not torch.cuda.is_available():
+            problems.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no "
+                            "CUDA device")
+    if "jax" in frameworks:
+        import jax
+
+        try:
+            jax.devices("gpu")
+        except RuntimeError as e:
+            reason = str(e).splitlines()[0]
+            if os.environ.get("JAX_PLATFORMS"):
+                reason += f"; JAX_PLATFORMS={os.environ['JAX_PLATFORMS']!r} is set"
+            problems.append(f"jax {jax.__version__} has no GPU backend ({reason})")
+    return problems
 
 
 def main(argv=None):
@@ -321,6 +404,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="interleaved timing rounds after training (speed = their median)")
+    ap.add_argument("--window", type=int, default=20, help="steps per run per timing round")
     ap.add_argument("--device", choices=["cpu", "cuda", "gpu"], default="cpu")
     ap.add_argument("--out", default="out", help="folder for the PNG")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -329,13 +415,20 @@ def main(argv=None):
         cfg.device = "cuda"
     if cfg.quick:
         cfg.steps, cfg.batch, cfg.context, cfg.width = 60, 16, 32, 64
-    cfg.warmup = min(5, cfg.steps // 4)
+        cfg.rounds, cfg.window = 5, 5
     modes = ["fp32"] + [m for m in cfg.modes.split(",") if m and m != "fp32"]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    if cfg.rounds < 1 or cfg.window < 1:
+        ap.error(f"--rounds and --window must be >= 1, got {cfg.rounds} and {cfg.window}")
+    frameworks = ["jax", "torch"] if cfg.framework == "both" else [cfg.framework]
     if cfg.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    elif problems := cuda_problems(frameworks):
+        ap.exit(2, "compare_modes.py: --device cuda needs a CUDA GPU, but\n  - "
+                + "\n  - ".join(problems) + "\nRun on a GPU machine with torch's CUDA build "
+                "and pip install 'mpfunc[cuda13]' (or cuda12), or use --device cpu.\n")
 
     train, held_out = split(load_corpus())
     it = windows(train, cfg.context + 1, cfg.batch, seed=cfg.seed)
@@ -346,16 +439,25 @@ def main(argv=None):
           f"stdlib source; model: {cfg.layers}-layer transformer, width {cfg.width}, "
           f"context {cfg.context}; {cfg.steps} steps of batch {cfg.batch} on {cfg.device}")
 
-    results = []
+    results, timers = [], {}
     init_params = torch_to_jax_params(torch_model(cfg))  # the JAX runs start from torch's init
     for name in modes:
-        if cfg.framework in ("both", "jax"):
-            results.append(run_jax(name, cfg, data, evals, init_params))
-        if cfg.framework in ("both", "torch"):
-            results.append(run_torch(name, cfg, data, evals))
+        for fw in frameworks:
+            if fw == "jax":
+                result, timed = run_jax(name, cfg, data, evals, init_params)
+            else:
+                result, timed = run_torch(name, cfg, data, evals)
+            results.append(result)
+            timers[fw, name] = timed
+    rates = time_interleaved(timers, cfg)
+    for r in results:
+        r["rates"] = rates[r["framework"], r["mode"]]
     results.sort(key=lambda r: (r["framework"], modes.index(r["mode"])))
     print()
     print(table(results, cfg))
+    print(f"\nsteps/s: median of {cfg.rounds} timing rounds of {cfg.window} steps per run after "
+          "training, the runs interleaved round-robin; speed vs fp32: median (min-max) of "
+          "the per-round ratios")
     if cfg.framework == "both":
         print("\nCross-framework parity (same config, same data, same initial weights):")
         print(parity(results))

@@ -3,7 +3,9 @@
 Both models train a small classifier on digits of Python source bytes (is the next
 byte a letter, a digit, whitespace or other?) with float16 (Linen, plus float32 master
 weights and dynamic loss scaling) or bfloat16 (NNX) compute, while every LayerNorm keeps
-float32 params and computation. Prints the dtypes each part ended up in and the losses.
+float32 params and computation and hands half precision on to the next layer (haiku's
+recipe for norms). Prints the dtypes each part ended up in, the operand dtypes of every
+matmul in the traced program, and the losses.
 
     python examples/flax_policies.py [--quick]
 """
@@ -15,7 +17,6 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
@@ -52,9 +53,16 @@ class LinenNet(nn.Module):
         return nn.Dense(4)(nn.gelu(x))
 
 
+def matmul_dtypes(fn, *args):
+    """The operand dtypes of each dot_general in ``fn``'s jaxpr, e.g. ['f16 x f16']."""
+    eqns = jax.make_jaxpr(fn)(*args).eqns
+    return [" x ".join(str(v.aval.dtype).replace("float", "f")
+                       for v in e.invars) for e in eqns if e.primitive.name == "dot_general"]
+
+
 def linen_demo(steps):
     amp = mpfunc.linen_policy(LinenNet(), "params=float16,compute=float16,output=float32",
-                              {nn.LayerNorm: "float32"})
+                              {nn.LayerNorm: "params=float32,compute=float32,output=float16"})
     data = list(batches(steps))
     variables = amp.init(jax.random.key(0), data[0][0])
     params = variables["params"]
@@ -77,6 +85,7 @@ def linen_demo(steps):
     for x, y in data:
         params, state, loss = step(params, state, x, y)
         losses.append(float(loss))
+    print("Linen: matmuls", matmul_dtypes(lambda p: amp.apply({"params": p}, data[0][0]), params))
     print("Linen: Dense kernel", params["Dense_0"]["kernel"].dtype, "| LayerNorm scale",
           params["LayerNorm_0"]["scale"].dtype, "| master",
           state.inner_state.master_params["Dense_0"]["kernel"].dtype)
@@ -92,12 +101,12 @@ class NnxNet(nnx.Module):
         self.out = nnx.Linear(128, 4, rngs=rngs)
 
     def __call__(self, x):
-        return self.out(nnx.gelu(self.norm(self.fc(x)))).astype(jnp.float32)
+        return self.out(nnx.gelu(self.norm(self.fc(x))))
 
 
 def nnx_demo(steps):
     model = mpfunc.nnx_apply_policy(NnxNet(nnx.Rngs(0)), "p=f32,c=bf16,o=f32",
-                                    {nnx.LayerNorm: "f32"})
+                                    {nnx.LayerNorm: "p=f32,c=f32,o=bf16"})
     optimizer = nnx.Optimizer(model, mpfunc.no_scale(optax.adam(3e-3)), wrt=nnx.Param)
 
     @nnx.jit
@@ -110,7 +119,11 @@ def nnx_demo(steps):
         optimizer.update(model, grads)
         return loss
 
-    losses = [float(step(model, optimizer, x, y)) for x, y in batches(steps)]
+    data = list(batches(steps))
+    graphdef, state = nnx.split(model)
+    print("NNX: matmuls", matmul_dtypes(lambda s: nnx.merge(graphdef, s)(data[0][0]), state),
+          "| output", model(data[0][0]).dtype)
+    losses = [float(step(model, optimizer, x, y)) for x, y in data]
     print("NNX: Linear computes in", model.fc.dtype, "| LayerNorm computes in", model.norm.dtype,
           "| LayerNorm scale", model.norm.scale[...].dtype)
     print(f"NNX: loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}")

@@ -4,8 +4,8 @@ injected into one shard: every shard skips that step together.
 A two-layer MLP is split Megatron-style over a ("data", "model") = (4, 2) mesh: the first
 layer by columns, the second by rows, the batch over "data". The finite check is
 psum-med over both axes (``axis_name=("data", "model")``), so an inf in the gradient
-shard of one model column makes all eight devices skip; the optax.apply_if_finite
-comparison shows shards disagreeing.
+shard of one model column makes all eight devices skip. optax.apply_if_finite, given the
+same params, batch and overflow, lets the other column's four devices step.
 
     python examples/shard_map_parallel.py [--quick]
 """
@@ -50,19 +50,23 @@ def main(argv=None):
     state_specs = jax.tree.map(lambda x: specs["w1"] if x.shape == (16, 32) else
                                specs["w2"] if x.shape == (32, 1) else P(), state)
 
-    def step(params, state, x, y, poison):
+    def gradients(params, x, y, poison, scale_state=None):
         def loss_fn(p):
             c = policy.cast_to_compute(p)
             h = jax.nn.relu(policy.cast_to_compute(x) @ c["w1"])   # column-parallel
             out = jax.lax.psum(h @ c["w2"], "model")                # row-parallel
-            loss = jnp.mean((policy.cast_to_output(out) - y) ** 2)
-            return mpfunc.scale_loss(jax.lax.pmean(loss, "data"), state)
+            loss = jax.lax.pmean(jnp.mean((policy.cast_to_output(out) - y) ** 2), "data")
+            return loss if scale_state is None else mpfunc.scale_loss(loss, scale_state)
 
         grads = jax.grad(loss_fn)(params)  # replicated over "data" (the loss is pmean-ed)
         # Inject an inf into the w1 gradient shard of one model column when asked: that
         # shard lives only on that column's devices, so the others see finite gradients.
         col = jax.lax.axis_index("model")
         grads["w1"] = jnp.where(poison == col, grads["w1"].at[0, 0].set(jnp.inf), grads["w1"])
+        return grads
+
+    def step(params, state, x, y, poison):
+        grads = gradients(params, x, y, poison, scale_state=state)
         updates, state = opt.update(grads, state, params)
         decision = jnp.broadcast_to(state.last_finite, (1, 1))
         return optax.apply_updates(params, updates), state, decision
@@ -74,12 +78,14 @@ def main(argv=None):
     ))
     x = rng.normal(size=(32, 16)).astype(np.float32)
     y = (x[:, :1] * 2 - x[:, 1:2]).astype(np.float32)
-    poison_at = 2
+    poison_at, poisoned_column = 2, 1
     print(f"mesh {dict(mesh.shape)}; at step {poison_at} an inf goes into the w1 gradient "
-          "shard of model column 1 (4 of the 8 devices hold it)")
+          f"shard of model column {poisoned_column} (4 of the 8 devices hold it)")
     for i in range(steps):
-        poison = jnp.int32(1 if i == poison_at else -1)
+        poison = jnp.int32(poisoned_column if i == poison_at else -1)
         before = jax.device_get(params)
+        if i == poison_at:
+            params_at_overflow = params
         params, state, decision = sharded(params, state, x, y, poison)
         d = np.asarray(decision)
         changed = not all(np.array_equal(before[k], np.asarray(params[k])) for k in params)
@@ -88,19 +94,23 @@ def main(argv=None):
         if i == poison_at:
             assert not d.any() and not changed, "every shard must skip together"
 
-    # The prior art for comparison: optax.apply_if_finite decides per shard.
-    naive = optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=3)
+    # The prior art, with the same params, batch and overflow (the same inf in the same w1
+    # shard): optax.apply_if_finite checks only the gradients each device holds.
+    baseline = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3)
 
-    def per_shard(g):
-        s = naive.init(g)
-        _, s = naive.update(g, s, g)
+    def baseline_step(params, x, y):
+        grads = gradients(params, x, y, jnp.int32(poisoned_column))
+        _, s = baseline.update(grads, baseline.init(params), params)
         return jnp.broadcast_to(s.last_finite, (1, 1))
 
-    g = jnp.ones((8, 4)).at[5, 0].set(jnp.inf)
-    d = np.asarray(jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=P("data", "model"),
-                                         out_specs=P("data", "model")))(g))
-    print(f"optax.apply_if_finite with the same kind of overflow: {int(d.sum())}/8 shards "
-          "would step -> replicas diverge; mpfunc psums the check so all agree")
+    d = np.asarray(jax.jit(jax.shard_map(
+        baseline_step, mesh=mesh, in_specs=(specs, P("data", None), P("data", None)),
+        out_specs=P("data", "model")))(params_at_overflow, x, y))
+    stepped = [c for c in range(d.shape[1]) if d[:, c].all()]
+    assert int(d.sum()) == 4 and stepped == [1 - poisoned_column], d
+    print(f"optax.apply_if_finite, same step {poison_at} and same overflow: {int(d.sum())}/8 "
+          f"shards would step (model column {stepped[0]} updates its half of the model, column "
+          f"{poisoned_column} skips) -> the shards disagree; mpfunc psums the check so all 8 skip")
 
 
 if __name__ == "__main__":

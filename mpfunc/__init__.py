@@ -2,7 +2,18 @@
 
 Precision policies, op-level autocast, loss scaling as optax transformations, master
 weights, and the torch / apex-like / naive / bf16 AMP modes.
+
+Needs the `jax` extra (``pip install 'mpfunc[jax]'``); the flax helpers (`linen_policy`,
+`nnx_apply_policy`, `norm_classes`) need the `flax` extra, imported only when called.
 """
+
+try:  # a missing framework names the extra to install, not a bare "No module named"
+    import jax  # noqa: F401
+    import optax  # noqa: F401
+except ModuleNotFoundError as _error:
+    from _mpfunc_common.extras import missing_extra_error
+
+    raise missing_extra_error("mpfunc (the JAX package)", "jax", _error) from _error
 
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,
@@ -26,7 +37,14 @@ from mpfunc._src.loss_scale import (
 )
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
-from mpfunc._src.policy import Policy, cast_floating, get_policy
+from mpfunc._src.policy import (
+    Policy,
+    cast_floating,
+    cast_to_full,
+    cast_to_half,
+    get_policy,
+    half_dtype,
+)
 from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"
@@ -45,12 +63,15 @@ __all__ = [
     "all_finite",
     "autocast",
     "cast_floating",
+    "cast_to_full",
+    "cast_to_half",
     "chain",
     "clip_by_global_norm",
     "convert_to_amp",
     "dynamic_scale",
     "get_policy",
     "global_norm",
+    "half_dtype",
     "is_norm_param",
     "linen_policy",
     "loss_scale",

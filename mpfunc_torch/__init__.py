@@ -3,7 +3,16 @@
 `convert_to_amp` offers the torch, apex-like (O0-O3), naive and bf16 modes, with the
 same loss-scale rule and presets as the JAX package (`LossScaler`), exact skips, and an
 inf check reduced over the process groups you name.
+
+Needs the `torch` extra (``pip install 'mpfunc[torch]'``); it never imports JAX.
 """
+
+try:  # a missing framework names the extra to install, not a bare "No module named"
+    import torch  # noqa: F401
+except ModuleNotFoundError as _error:
+    from _mpfunc_common.extras import missing_extra_error
+
+    raise missing_extra_error("mpfunc_torch (the PyTorch package)", "torch", _error) from _error
 
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,
@@ -13,7 +22,7 @@ from _mpfunc_common.mixed_precision import (
 )
 from mpfunc_torch._src.booster import backward, boost
 from mpfunc_torch._src.loss_scale import LossScaler
-from mpfunc_torch._src.model import AmpCriterion, AmpModel
+from mpfunc_torch._src.model import AmpCriterion, AmpModel, is_norm_module
 from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
 from mpfunc_torch._src.optimizer import AmpOptimizer
 
@@ -32,4 +41,5 @@ __all__ = [
     "backward",
     "boost",
     "convert_to_amp",
+    "is_norm_module",
 ]

@@ -263,3 +263,53 @@ def test_bad_lists():
         AutocastLists(half_ops="dot_general")
     with pytest.raises(TypeError, match="`fn` must be callable"):
         mpfunc.autocast(3)
+
+
+@pytest.fixture
+def standard_promotion():
+    # jax.nn.dot_product_attention mixes float16 and float32 itself (strict refuses it)
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+@pytest.mark.usefixtures("standard_promotion")
+def test_float16_attention_compiles_on_every_backend():
+    # jax.nn.dot_product_attention asks for the F16_F16_F32 dot algorithm with float16
+    # inputs, which XLA:CPU refuses under jit. autocast expresses the float32
+    # accumulation with preferred_element_type instead.
+    q = rand(2, 5, 2, 8).astype(jnp.float16)
+
+    def attention(q):
+        return jax.nn.dot_product_attention(q, q, q).astype(jnp.float32).sum()
+
+    if jax.default_backend() == "cpu":
+        with pytest.raises(Exception, match="F16_F16_F32"):
+            jax.jit(attention)(q)  # the problem, pinned: jax's own jit path
+    ours = mpfunc.autocast(attention)
+    assert "F16_F16_F32" not in str(jax.make_jaxpr(ours)(q))
+    value, grad = jax.jit(jax.value_and_grad(ours))(q)
+    assert grad.dtype == F16
+    ref = attention(q.astype(jnp.float32))
+    np.testing.assert_allclose(value, ref, rtol=2e-2)
+
+
+@pytest.mark.usefixtures("standard_promotion")
+def test_without_dot_algorithms_changes_nothing_else():
+    from mpfunc._src.autocast import without_dot_algorithms
+
+    q = rand(2, 5, 2, 8).astype(jnp.float16)
+
+    def attention(q):
+        return jax.nn.dot_product_attention(q, q, q, is_causal=True)
+
+    routed = without_dot_algorithms(attention)
+    def compute_ops(fn):  # nested jit is inlined by the rewrite; compare what it computes
+        return [op for op in ops(fn, q) if op[0] not in ("jit", "pjit")]
+
+    assert compute_ops(routed) == compute_ops(attention)  # same ops, dtypes and order
+    assert "F16_F16_F32" in str(jax.make_jaxpr(attention)(q))
+    assert "F16_F16_F32" not in str(jax.make_jaxpr(routed)(q))
+    # eager jax falls back to exactly this when the preset is refused: same numbers
+    np.testing.assert_array_equal(jax.jit(routed)(q), attention(q))
+    g = jax.jit(jax.grad(lambda q: routed(q).astype(jnp.float32).sum()))(q)
+    np.testing.assert_array_equal(g, jax.grad(lambda q: attention(q).astype(jnp.float32).sum())(q))

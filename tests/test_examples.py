@@ -1,6 +1,7 @@
 """Every example runs in its --quick form and shows what it says it shows."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,11 +36,33 @@ def test_flax_policies():
     out = run("flax_policies.py")
     assert "LayerNorm scale float32" in out and "Dense kernel float16" in out
     assert "LayerNorm computes in float32" in out
+    assert "Linen: matmuls ['f16 x f16', 'f16 x f16']" in out
+    assert "NNX: matmuls ['bf16 x bf16', 'bf16 x bf16'] | output float32" in out
 
 
 def test_shard_map_parallel():
     out = run("shard_map_parallel.py")
+    assert "inf goes into the w1 gradient shard of model column 1 (4 of the 8 devices" in out
     assert "step 2: shards that stepped 0/8, params changed: False" in out
+    # The comparison uses the same step, batch and overflow, so the same 4 devices see it.
+    assert "optax.apply_if_finite, same step 2 and same overflow: 4/8 shards would step" in out
+
+
+def test_compare_modes_cuda_without_a_gpu_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "compare_modes.py"),
+                          "--quick", "--device", "cuda"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "--device cuda needs a CUDA GPU" in out.stderr
+    assert "torch 2" in out.stderr and "jax 0" in out.stderr  # names both frameworks' reason
+    assert "--device cpu" in out.stderr and out.stdout == ""
 
 
 def test_jax_fsdp():
@@ -76,6 +99,16 @@ def test_torch_distributed():
 def test_compare_modes(tmp_path):
     out = run("compare_modes.py", "--quiet", "--out", str(tmp_path))
     assert (tmp_path / "compare_modes.png").stat().st_size > 10_000
+    table = out.split("Cross-framework parity")[0]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln]
+    assert "speed vs fp32 (min-max)" in rows[0] and len(rows) == 13
+    for row in rows[1:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        median, lo, hi = map(float, re.fullmatch(r"(\S+)x \((\S+)-(\S+)\)", cells[9]).groups())
+        assert 0 < lo <= median <= hi, row
+        if cells[1] == "fp32":
+            assert median == lo == hi == 1.0, row  # each round's own fp32 timing
+    assert "median of 5 timing rounds of 5 steps" in out
     parity = out.split("Cross-framework parity")[1]
     rows = [ln for ln in parity.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
     assert len(rows) == 6  # fp32 + the five default modes

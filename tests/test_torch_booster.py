@@ -129,7 +129,8 @@ def test_boost_passes_the_loader_and_scheduler_through():
     assert isinstance(model, mpfunc_torch.AmpModel) and isinstance(acrit, mpfunc_torch.AmpCriterion)
     assert net[0].weight.dtype == torch.float16
     # Optional parts stay optional.
-    out = mpfunc_torch.boost(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1),
+    net2 = make_model()
+    out = mpfunc_torch.boost(net2, torch.optim.SGD(net2.parameters(), lr=0.1),
                              mixed_precision=BF16MixedPrecision())
     assert out[2:] == (None, None, None)
 

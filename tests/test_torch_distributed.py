@@ -108,5 +108,88 @@ def test_several_groups():
 
 def test_normalize_groups_errors():
     assert normalize_groups(None) == ()
+    # The type is checked first: a string is not "not initialized", it is wrong.
+    for bad in (object(), "foo", ["foo"]):
+        with pytest.raises(TypeError, match="`process_group` must be a torch.distributed"):
+            normalize_groups(bad)
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
     with pytest.raises(RuntimeError, match="not initialized"):
-        normalize_groups(object())
+        normalize_groups(group)
+
+
+DDP_CASES = {
+    "torch": ("torch", {"init_scale": 2.0**8}),
+    "apex-O1": ("apex", {"opt_level": "O1", "verbosity": 0, "max_loss_scale": 2.0**8}),
+    "naive": ("naive", {"initial_scale": 2.0**8}),
+    "apex-O2": ("apex", {"opt_level": "O2", "verbosity": 0, "max_loss_scale": 2.0**8}),
+}
+
+
+def _reference_params(mode, cfg):
+    """One process, both ranks' batches together: what averaged gradients must give."""
+    import mpfunc_torch
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(),
+                              torch.nn.Linear(8, 1))
+    torch.manual_seed(0)  # the ranks' common init
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.MSELoss(), mode=mode,
+                                                   **cfg)
+    gens = [torch.Generator().manual_seed(1 + r) for r in range(2)]  # run_steps' seeds
+    for _ in range(3):
+        xs, ys = zip(*[(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+                       for g in gens])
+        opt.zero_grad()
+        opt.backward(crit(model(torch.cat(xs)), torch.cat(ys)))
+        opt.step()
+    return [p.detach().double().flatten() for p in net.parameters()]
+
+
+@pytest.fixture(scope="module")
+def ddp_orders():
+    return launch("ddp_orders", 2)
+
+
+def test_ddp_in_either_order_averages_gradients_or_says_the_right_order(ddp_orders):
+    r0, r1 = ddp_orders
+    for key, (mode, cfg) in DDP_CASES.items():
+        good = r0[key]["convert_then_ddp"]
+        assert "params" in good, good
+        assert good["stepped"] == [True] * 3, (key, good["stepped"])  # no step skipped
+        # Averaged gradients: identical ranks, equal to one process on both batches.
+        assert good == r1[key]["convert_then_ddp"], key
+        ref = _reference_params(mode, cfg)
+        for got, want in zip(good["params"], ref):  # half rounding differs by batch split
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                       rtol=1e-2, atol=2e-3)
+        other = r0[key]["ddp_then_convert"]
+        if key in ("naive", "apex-O2"):  # these cast params: DDP must come second
+            assert "error" in other, (key, other)
+            assert "Convert first, then wrap" in other["error"], other
+            assert "DistributedDataParallel" in other["error"], other
+        else:  # autocast modes leave params alone: both orders train identically
+            assert other == good, key
+
+
+_MASTERS_GAP = pytest.mark.xfail(
+    strict=True,
+    reason="known gap: float32 masters are made at conversion, so DDP's broadcast of rank "
+    "0's weights reaches the half params but not the masters; ranks must start from the "
+    "same weights (same seed) until the optimizer re-seeds masters from params changed "
+    "outside it")
+
+
+@pytest.mark.parametrize("key", [k if k not in ("naive", "apex-O2") else
+                                 pytest.param(k, marks=_MASTERS_GAP) for k in DDP_CASES])
+def test_ddp_broadcast_after_conversion_reaches_what_trains(ddp_orders, key):
+    r0, r1 = ddp_orders
+    assert r0[key]["convert_then_ddp_rank_init"] == r1[key]["convert_then_ddp_rank_init"]
+
+
+def test_fsdp2_sharded_params_are_not_cast():
+    r0, r1 = launch("fsdp2_half_mode", 2)
+    for r in (r0, r1):
+        assert r["error"] and "FSDP" in r["error"], r
+        assert "MixedPrecisionPolicy" in r["error"], r

@@ -47,3 +47,54 @@ def test_update_scale_is_torchs_rule():
     assert scale.item() == 16.0 and tracker.item() == 0
     fused.update_scale_(scale, tracker, torch.tensor(1.0), 2.0, 0.5, 2)
     assert scale.item() == 8.0
+
+
+def test_uncoalesced_sparse_grads_are_refused_not_silently_left_scaled():
+    i = torch.tensor([[0, 0, 2]])
+    g = torch.sparse_coo_tensor(i, torch.ones(3, 2), (4, 2), check_invariants=True)
+    assert not g.is_coalesced()
+    with pytest.raises(ValueError, match="not coalesced"):
+        fused.unscale_and_check_([g], torch.zeros(()), torch.tensor(0.5))
+    g = g.coalesce()
+    fused.unscale_and_check_([g], torch.zeros(()), torch.tensor(0.5))
+    assert torch.equal(g.to_dense(), torch.tensor([[1.0, 1.0], [0, 0], [0.5, 0.5], [0, 0]]))
+
+
+def test_complex_grads_are_unscaled_and_checked_in_both_parts():
+    g = torch.tensor([2 + 4j, 8 - 2j], dtype=torch.complex64)
+    found = torch.zeros(())
+    fused.unscale_and_check_([g], found, torch.tensor(0.5))
+    assert torch.equal(g, torch.tensor([1 + 2j, 4 - 1j], dtype=torch.complex64))
+    assert found.item() == 0
+    g[1] = complex(1.0, float("nan"))
+    fused.unscale_and_check_([g], found, torch.tensor(1.0))
+    assert found.item() == 1
+
+
+def test_clip_grads_matches_torch_and_handles_sparse_values():
+    torch.manual_seed(0)
+    dense = [torch.randn(5, 3), torch.randn(4)]
+    ref = [t.clone().requires_grad_() for t in dense]
+    for r in ref:
+        r.grad = r.detach().clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    ours = [t.clone() for t in dense]
+    norm = fused.clip_grads_(ours, 0.5)
+    assert torch.equal(norm, ref_norm)
+    for a, r in zip(ours, ref):
+        assert torch.equal(a, r.grad)
+    sp = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.tensor([[3.0], [4.0]]),
+                                 (5, 1), check_invariants=True).coalesce()
+    assert fused.clip_grads_([sp], 1.0).item() == pytest.approx(5.0)
+    torch.testing.assert_close(sp.to_dense().flatten(), torch.tensor([0, 0.6, 0, 0.8, 0]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_fused_sgd_first_step_pending_follows_the_momentum_buffers():
+    p = torch.nn.Parameter(torch.ones(3))
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+    assert fused.is_fused_sgd_with_momentum(sgd) and fused.fused_sgd_first_step_pending(sgd)
+    p.grad = torch.ones(3)
+    fused.step_with_found_inf_(sgd, None, torch.zeros(()))
+    assert not fused.fused_sgd_first_step_pending(sgd)
+    assert not fused.is_fused_sgd_with_momentum(torch.optim.SGD([p], lr=0.1, momentum=0.9))

@@ -113,11 +113,11 @@ def test_static_and_none():
     s = LossScaler("static", static_scale=128.0)
     s.update(torch.tensor(1.0))
     assert s.metrics(as_python=True) == {"loss_scale": 128.0, "skipped_steps": 1,
-                                         "last_finite": False}
+                                         "consecutive_skips": 1, "last_finite": False}
     n = LossScaler("none")
     n.update(torch.tensor(0.0))
     assert n.metrics(as_python=True) == {"loss_scale": 1.0, "skipped_steps": 0,
-                                         "last_finite": True}
+                                         "consecutive_skips": 0, "last_finite": True}
 
 
 def test_metrics_are_device_tensors_without_as_python():
@@ -139,15 +139,14 @@ def test_state_dict_round_trip_continues_exactly(tmp_path):
         a.update(torch.tensor(f))
         b.update(torch.tensor(f))
         assert a.state_dict()["loss_scale"].item() == b.state_dict()["loss_scale"].item()
-    for k in ("growth_tracker", "hysteresis_left", "skipped_steps", "last_finite"):
+    for k in ("growth_tracker", "hysteresis_left", "skipped_steps", "consecutive_skips",
+              "last_finite"):
         assert torch.equal(a.state_dict()[k], b.state_dict()[k]), k
 
 
 def test_load_state_dict_mismatches():
     a = LossScaler("dynamic", resolve_scale_config("naive"))
-    with pytest.raises(ValueError, match="config mismatch"):
-        LossScaler("dynamic", resolve_scale_config("torch")).load_state_dict(a.state_dict())
-    with pytest.raises(ValueError, match="kind mismatch"):
+    with pytest.raises(ValueError, match="`state\\['kind'\\]`: saved 'none'"):
         LossScaler("static", static_scale=2.0).load_state_dict(LossScaler("none").state_dict())
     with pytest.raises(ValueError, match="missing keys"):
         a.load_state_dict({"kind": "dynamic"})
@@ -161,3 +160,115 @@ def test_load_state_dict_mismatches():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LossScaler(**kwargs)
+
+
+@pytest.mark.parametrize("preset, kw", [
+    ("torch", {}),
+    ("apex", {}),
+    ("naive", {"growth_interval": 3}),
+    ("torch", {"init_scale": 2.0**-100, "min_scale": 2.0**-126, "growth_interval": 3}),
+    ("torch", {"growth_factor": 3.0, "backoff_factor": 0.3, "init_scale": 3.0,
+               "min_scale": 2.0**-126, "growth_interval": 2}),
+])
+def test_long_overflow_runs_stay_bit_identical_to_jax_and_never_leave_the_floor(preset, kw):
+    # 200 overflows (far past the floor: 2**16 reaches 2**-126 after 142), then clean
+    # steps back up. Without a floor torch reached 2**-127 and JAX 0 here.
+    seq = [False] * 200 + [True] * 40 + [False] * 5 + [True] * 20
+    cfg = resolve_scale_config(preset, **kw)
+    scaler = LossScaler("dynamic", cfg)
+    rows = []
+    for finite in seq:
+        scaler.update(torch.tensor(0.0 if finite else 1.0))
+        sd = scaler.state_dict()
+        rows.append([sd[k].item() for k in ("loss_scale", "growth_tracker", "hysteresis_left",
+                                             "skipped_steps", "consecutive_skips")])
+    rows = np.asarray(rows, np.float64)
+    opt = mpfunc.dynamic_scale(preset=preset, **kw)
+    params = {"a": jnp.ones((2,))}
+
+    @jax.jit
+    def run(seq_arr):
+        def body(state, finite):
+            g = {"a": jnp.where(finite, jnp.ones((2,)), jnp.full((2,), jnp.inf))}
+            _, state = opt.update(g, state, params)
+            return state, (state.loss_scale, state.growth_tracker, state.hysteresis_left,
+                           state.skipped_steps)
+
+        return jax.lax.scan(body, opt.init(params), seq_arr)[1]
+
+    jax_rows = [np.asarray(x) for x in run(jnp.asarray(seq))]
+    np.testing.assert_array_equal(bits(rows[:, 0]), bits(jax_rows[0]))
+    for col in range(1, 4):
+        np.testing.assert_array_equal(rows[:, col], jax_rows[col])
+    scales = rows[:, 0]
+    assert scales.min() == cfg.min_scale and np.all(scales <= cfg.max_scale)
+    assert np.all(np.isfinite(scales)) and np.all(scales >= 2.0**-126)
+    # consecutive_skips: the length of the current run of overflows
+    expected, run_len = [], 0
+    for finite in seq:
+        run_len = 0 if finite else run_len + 1
+        expected.append(run_len)
+    np.testing.assert_array_equal(rows[:, 4], expected)
+
+
+def _saved(**changes):
+    s = LossScaler("dynamic", resolve_scale_config("naive", init_scale=2.0**10))
+    s.update(torch.tensor(1.0))
+    sd = s.state_dict()
+    sd.update(changes)
+    return sd
+
+
+@pytest.mark.parametrize("key, value", [
+    ("loss_scale", torch.tensor(float("nan"))), ("loss_scale", torch.tensor(0.0)),
+    ("loss_scale", torch.tensor(-8.0)), ("loss_scale", torch.tensor(float("inf"))),
+    ("loss_scale", torch.tensor(2.0**40)),  # above the saved config's max_scale (2**32)
+    ("loss_scale", torch.ones(2)),
+    ("growth_tracker", torch.tensor(-5)), ("growth_tracker", torch.tensor(1000)),
+    ("growth_tracker", torch.tensor(2.5)),
+    ("hysteresis_left", torch.tensor(99)), ("skipped_steps", torch.tensor(-1)),
+    ("consecutive_skips", torch.tensor(2)), ("last_finite", torch.tensor(True)),
+    ("last_finite", "yes"), ("config", None), ("config", {"hysteresis": 2}),
+])
+def test_corrupt_state_is_rejected_naming_the_key_and_changes_nothing(key, value):
+    s = LossScaler("dynamic", resolve_scale_config("naive", init_scale=2.0**8))
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=f"`state\\['{key}'\\]`"):
+        s.load_state_dict(_saved(**{key: value}))
+    after = s.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k not in ("kind", "config"))
+
+
+def test_state_loads_into_another_config_keeping_its_hyperparameters():
+    s = LossScaler("dynamic", resolve_scale_config("naive", init_scale=2.0**4,
+                                                   growth_interval=7))
+    s.load_state_dict(_saved())
+    m = s.metrics(as_python=True)
+    assert m == {"loss_scale": 2.0**10, "skipped_steps": 1, "consecutive_skips": 1,
+                 "last_finite": False}  # hysteresis 2: the first overflow kept the scale
+    assert s.config.growth_interval == 7
+    st = LossScaler("static", static_scale=4.0)
+    st.load_state_dict(LossScaler("static", static_scale=8.0).state_dict())
+    assert st.scale.item() == 4.0  # a static scale is a hyperparameter
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(kind="static", static_scale="2"), TypeError, "`static_scale` must be a real number"),
+    (dict(kind="static", static_scale=True), TypeError, "`static_scale` must be a real number"),
+    (dict(kind="static", static_scale=1e39), ValueError, "`static_scale` must be a normal"),
+    (dict(kind="static", static_scale=1e-40), ValueError, "`static_scale` must be a normal"),
+    (dict(config={"init_scale": 2.0}), TypeError, "`config` must be a ScaleConfig"),
+    (dict(config="bogus"), ValueError, "`config` must be a ScaleConfig or one of"),
+    (dict(device="gpu"), ValueError, "`device` must be a torch.device"),
+])
+def test_bad_arguments_name_the_argument(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        LossScaler(**kwargs)
+
+
+def test_config_may_be_a_preset_name_and_static_below_one_is_checked_after_unscaling():
+    assert LossScaler(config="apex").config == resolve_scale_config("apex")
+    assert not LossScaler(config="apex").may_go_below_one
+    assert LossScaler("static", static_scale=0.5).may_go_below_one
+    assert LossScaler(config=resolve_scale_config("torch", init_scale=0.5,
+                                                  min_scale=0.25)).may_go_below_one

@@ -1,7 +1,10 @@
 """Tests for mpfunc_torch._src.master_weights: float32 masters of half-precision params."""
 
+import copy
+
+import pytest
 import torch
-from torch_task import batches, make_model
+from torch_task import batches, make_model, tiny_batch, tiny_model
 
 import mpfunc_torch
 from mpfunc_torch import AMP_TYPE
@@ -44,3 +47,162 @@ def test_naive_clip_grad_and_zero_count():
     assert float(opt.grad_norm) > 0.5  # the norm before clipping
     assert seen["norm"] <= 0.5 * (1 + 1e-5)  # what the optimizer stepped with
     assert all(m.grad is None for _, m in opt._pairs)  # released after the step
+
+
+MASTER_MODES = [("naive", {"initial_scale": 2.0**10}),
+                ("apex", {"opt_level": "O2", "verbosity": 0})]
+master_ids = ["naive", "apex-O2"]
+
+
+def _convert(net, mode, cfg, lr=0.1, opt_cls=torch.optim.SGD, **opt_kw):
+    return mpfunc_torch.convert_to_amp(net, opt_cls(net.parameters(), lr=lr, **opt_kw),
+                                       torch.nn.MSELoss(), mode=mode, **cfg)
+
+
+def _steps(model, opt, crit, n=2, seed=0):
+    for i in range(n):
+        opt.zero_grad()
+        x, y = tiny_batch(seed + i)
+        opt.backward(crit(model(x), y))
+        assert bool(opt.step())
+
+
+@pytest.mark.parametrize("mode, cfg", MASTER_MODES, ids=master_ids)
+def test_loading_pretrained_weights_after_conversion_moves_the_masters(mode, cfg):
+    pretrained = tiny_model(seed=1).state_dict()  # float32
+    net = tiny_model(seed=0)
+    model, opt, crit = _convert(net, mode, cfg)
+    model.load_state_dict(pretrained)
+    for (_, m), v in zip(opt._pairs, pretrained.values()):
+        assert torch.equal(m, v)  # exactly, not the float16 rounding
+    _steps(model, opt, crit)
+    ref = tiny_model(seed=1)  # the same weights converted directly
+    ref_model, ref_opt, ref_crit = _convert(ref, mode, cfg)
+    _steps(ref_model, ref_opt, ref_crit)
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    for (_, a), (_, b) in zip(opt._pairs, ref_opt._pairs):
+        assert torch.equal(a, b)
+
+
+def test_submodule_load_and_assign_true_also_move_the_masters():
+    pretrained = tiny_model(seed=1)
+    net = tiny_model(seed=0)
+    model, opt, crit = _convert(net, "naive", {"initial_scale": 2.0**10})
+    params = list(net.parameters())
+    net[2].load_state_dict(pretrained[2].state_dict())  # a submodule only
+    net[0].load_state_dict(pretrained[0].state_dict(), assign=True)
+    assert all(a is b for a, b in zip(params, net.parameters()))  # still what opt steps
+    assert all(p.dtype == torch.float16 for p in net.parameters())
+    for (_, m), v in zip(opt._pairs, pretrained.parameters()):
+        assert torch.equal(m, v.detach())
+    _steps(model, opt, crit)
+    assert all(torch.equal(p, m.half()) for p, m in opt._pairs)
+
+
+@pytest.mark.parametrize("order", ["model-then-optimizer", "optimizer-then-model"])
+def test_resume_from_a_converted_checkpoint_keeps_master_bits_in_either_order(order):
+    cfg = {"initial_scale": 2.0**10}
+    net = tiny_model()
+    model, opt, crit = _convert(net, "naive", cfg, opt_cls=torch.optim.AdamW, lr=1e-2)
+    _steps(model, opt, crit, n=3)
+    # float16 model weights; deep-copied as torch.save would (state dicts hold references)
+    ck = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    net2 = tiny_model(seed=5)
+    model2, opt2, crit2 = _convert(net2, "naive", cfg, opt_cls=torch.optim.AdamW, lr=1e-2)
+    loads = [lambda: model2.load_state_dict(ck["model"]), lambda: opt2.load_state_dict(ck["opt"])]
+    for load in loads if order == "model-then-optimizer" else loads[::-1]:
+        load()
+    for (_, a), (_, b) in zip(opt._pairs, opt2._pairs):
+        assert torch.equal(a, b)  # the float32 masters, not float16 roundings
+    _steps(model, opt, crit, seed=10)
+    _steps(model2, opt2, crit2, seed=10)
+    for a, b in zip(net.parameters(), net2.parameters()):
+        assert torch.equal(a, b)
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 6)
+        self.mid = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.frozen = torch.nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.unused = torch.nn.Linear(6, 6)  # no gradient ever
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.frozen(self.mid(self.embed(idx)))))
+
+
+@pytest.mark.parametrize("mode, cfg", MASTER_MODES, ids=master_ids)
+def test_tied_frozen_and_gradless_params(mode, cfg):
+    net = _Tied()
+    frozen_before = [p.detach().clone().half() for p in net.frozen.parameters()]
+    unused_before = [p.detach().clone().half() for p in net.unused.parameters()]
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)  # holds the frozen params too
+    model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(),
+                                                   mode=mode, **cfg)
+    n_unique = len({id(p) for p in net.parameters()})
+    assert len(opt._pairs) == n_unique == len(list(net.parameters()))  # one master per tie
+    embed_before = net.embed.weight.detach().clone()
+    for i in range(3):
+        opt.zero_grad()
+        idx = torch.randint(0, 10, (8, 4), generator=torch.Generator().manual_seed(i))
+        opt.backward(crit(model(idx).flatten(0, 1), idx.flatten()))
+        assert bool(opt.step())
+    assert net.head.weight is net.embed.weight  # still tied
+    assert not torch.equal(net.embed.weight, embed_before)  # and trained
+    master_of = {id(p): m for p, m in opt._pairs}
+    assert torch.equal(net.embed.weight, master_of[id(net.embed.weight)].half())
+    for a, b in zip(frozen_before, net.frozen.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(unused_before, net.unused.parameters()):
+        assert torch.equal(a, b)
+    assert all(master_of[id(p)].grad is None for p in net.frozen.parameters())
+
+
+@pytest.mark.parametrize("mode, cfg", MASTER_MODES, ids=master_ids)
+def test_sparse_gradients_step_float32_masters(mode, cfg):
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = torch.nn.Embedding(30, 8, sparse=True)
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, idx):
+            return self.head(self.embed(idx).mean(1))
+
+    net, ref = Bag(), Bag()
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.5), torch.nn.MSELoss(), mode=mode, **cfg)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        idx, y = torch.randint(0, 30, (16, 5), generator=g), torch.randn(16, 1, generator=g)
+        opt.zero_grad()
+        opt.backward(crit(model(idx), y))
+        assert bool(opt.step())
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(idx), y).backward()
+        ref_opt.step()
+    master = opt._pairs[0][1]
+    torch.testing.assert_close(master, ref.embed.weight.detach(), rtol=5e-3, atol=5e-4)
+    assert torch.equal(net.embed.weight, master.half())
+    assert not torch.equal(master, Bag().embed.weight.detach())
+
+
+def test_naive_clip_and_zero_count_with_sparse_gradients():
+    net = torch.nn.EmbeddingBag(20, 4, mode="sum", sparse=True)
+    model, opt, _ = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), mode="naive", clip_grad=0.5,
+        log_num_zeros_in_grad=True, initial_scale=2.0**10)
+    idx = torch.tensor([[1, 1, 2], [3, 3, 3]])
+    opt.backward(model(idx).sum() * 10)
+    assert bool(opt.step())
+    # rows 1, 2, 3 get gradients 20, 10, 30 in each of 4 columns: clipped to norm 0.5
+    assert float(opt.grad_norm) == pytest.approx((4 * (20**2 + 10**2 + 30**2)) ** 0.5)
+    assert opt.scale_metrics(as_python=True)["num_zeros_in_grad"] == 20 * 4 - 3 * 4

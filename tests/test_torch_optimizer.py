@@ -4,7 +4,7 @@ checkpoints and the torch optimizer interface."""
 import pytest
 import torch
 from anchors import torch_gradscaler
-from torch_task import ALL_MODES, batches, ids, is_o3, make_model, train
+from torch_task import ALL_MODES, batches, ids, is_o3, make_model, tiny_batch, tiny_model, train
 
 import mpfunc_torch
 from mpfunc_torch import AMP_TYPE
@@ -67,11 +67,17 @@ def test_torch_mode_trajectory_matches_gradscaler_end_to_end(fused):
     assert scales == [float(s) for s in torch_gradscaler(seq, interval=3)]
 
 
-def test_fused_path_never_syncs_with_host(monkeypatch):
+@pytest.mark.parametrize("mode, cfg", [
+    ("torch", {}),
+    # a floor below 1: the extra check after unscaling stays on the device too
+    ("apex", {"opt_level": "O1", "min_loss_scale": 2.0**-8, "verbosity": 0}),
+    ("naive", {"initial_scale": 2.0**10, "min_scale": 0.5}),
+], ids=["torch", "apex-O1-below-one", "naive-below-one"])
+def test_fused_path_never_syncs_with_host(monkeypatch, mode, cfg):
     net = make_model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
     model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(),
-                                                   mode="torch")
+                                                   mode=mode, **cfg)
     x, y = batches(1)[0]
     opt.backward(crit(model(x), y))
 
@@ -84,6 +90,7 @@ def test_fused_path_never_syncs_with_host(monkeypatch):
         m.setattr(torch.Tensor, "tolist", boom)
         stepped = opt.step()
     assert bool(stepped)
+
 
 class TestSeedPatterns:
     def test_clipping_with_unscale(self):
@@ -228,55 +235,314 @@ def test_lr_scheduler_works_without_warnings():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
 
 
-@pytest.mark.parametrize("mode, cfg", [("naive", {"growth_interval": 3, "initial_scale": 2.0**14}),
-                                       ("torch", {"growth_interval": 3}),
-                                       ("apex", {"opt_level": "O2", "verbosity": 0})])
-def test_state_dict_resume_is_exact(mode, cfg, tmp_path):
-    data = batches(10)
-    inject = {2, 6}
+# -- GradScaler users' habits ------------------------------------------------------------
 
-    def run(model, opt, crit, chunk, offset):
-        for i, (x, y) in enumerate(chunk, offset):
+@pytest.mark.parametrize("mode, cfg", [("torch", {"init_scale": 2.0**8}),
+                                       ("naive", {"initial_scale": 2.0**8}),
+                                       ("apex", {"opt_level": "O1", "num_losses": 2,
+                                                 "max_loss_scale": 2.0**8, "verbosity": 0})])
+def test_scale_loss_then_backward_is_the_same_as_opt_backward(mode, cfg):
+    # GradScaler users write scaler.scale(loss).backward(); scaler.step(opt).
+    results = []
+    for habit in ("backward", "scale_loss"):
+        net = tiny_model()
+        model, opt, crit = mpfunc_torch.convert_to_amp(
+            net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.MSELoss(), mode=mode,
+            **cfg)
+        n_losses = cfg.get("num_losses", 1)
+        for step in range(3):
             opt.zero_grad()
-            loss = crit(model(x), y) * (float("inf") if i in inject else 1.0)
-            opt.backward(loss)
-            opt.step()
-
-    def fresh():
-        net = make_model()
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        return mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(), mode=mode,
-                                           **cfg)
-
-    model, opt, crit = fresh()
-    run(model, opt, crit, data[:5], 0)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ck.pt")
-    run(model, opt, crit, data[5:], 5)
-
-    model2, opt2, crit2 = fresh()
-    ck = torch.load(tmp_path / "ck.pt", weights_only=True)
-    model2.load_state_dict(ck["model"])
-    opt2.load_state_dict(ck["opt"])
-    run(model2, opt2, crit2, data[5:], 5)
-    for a, b in zip(model.module.parameters(), model2.module.parameters()):
+            x, y = tiny_batch(step)
+            out = model(x)
+            for i in range(n_losses):
+                loss = crit(out, y) * (i + 1)
+                kw = {"retain_graph": i < n_losses - 1}
+                if habit == "backward":
+                    opt.backward(loss, loss_id=i, **kw)
+                else:
+                    opt.scale_loss(loss, loss_id=i).backward(**kw)
+            assert bool(opt.step())
+        results.append([p.detach().clone() for p in net.parameters()])
+    for a, b in zip(*results):
         assert torch.equal(a, b)
-    for (_, a), (_, b) in zip(opt._pairs, opt2._pairs):
+
+
+def test_step_twice_says_what_happened():
+    net = tiny_model()
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.MSELoss(), mode="torch")
+    opt.backward(crit(model(tiny_batch()[0]), tiny_batch()[1]))
+    opt.step()
+    with pytest.raises(RuntimeError, match="called again after step\\(\\) with no backward"):
+        opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="step\\(\\) called before backward\\(\\)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_hooks_fire_around_every_step_taken_or_skipped(fused):
+    net = tiny_model()
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.Adam(net.parameters(), lr=1e-2, fused=fused), torch.nn.MSELoss(),
+        mode="torch")
+    seen = []
+    h1 = opt.register_step_pre_hook(
+        lambda o, a, k: seen.append(("pre", o is opt, o.skipped_steps.item())))
+    h2 = opt.register_step_post_hook(
+        lambda o, a, k: seen.append(("post", o is opt, o.skipped_steps.item())))
+    x, y = tiny_batch()
+    for factor in (1.0, float("inf"), 1.0):
+        opt.zero_grad()
+        opt.backward(crit(model(x), y) * factor)
+        opt.step()
+    # The post hook sees the step's outcome (skipped_steps already counted).
+    assert seen == [("pre", True, 0), ("post", True, 0), ("pre", True, 0), ("post", True, 1),
+                    ("pre", True, 1), ("post", True, 1)]
+    h1.remove()
+    h2.remove()
+    opt.zero_grad()
+    opt.backward(crit(model(x), y))
+    opt.step()
+    assert len(seen) == 6
+
+
+def test_step_pre_hook_can_rewrite_arguments_like_torchs():
+    net = tiny_model()
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.MSELoss(), mode="torch")
+    opt.register_step_pre_hook(lambda o, a, k: ((o,), {"closure": lambda: 0.0}))
+    opt.backward(crit(model(tiny_batch()[0]), tiny_batch()[1]))
+    with pytest.raises(ValueError, match="`closure` is not supported"):
+        opt.step()
+
+
+def test_num_losses_rechecks_gradients_changed_after_backward():
+    # e.g. a manual all-reduce between backward and step that brings in an inf.
+    net = tiny_model()
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.MSELoss(), mode="apex",
+        opt_level="O1", num_losses=2, verbosity=0)
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = tiny_batch()
+    out = model(x)
+    opt.backward(crit(out, y), loss_id=0, retain_graph=True)
+    opt.backward(crit(out, y), loss_id=1)
+    net[0].weight.grad[0, 0] = float("nan")
+    assert not bool(opt.step())
+    for a, b in zip(before, net.parameters()):
         assert torch.equal(a, b)
-    sd1, sd2 = opt.state_dict(), opt2.state_dict()
-    for s1, s2 in zip(sd1["scalers"], sd2["scalers"]):
-        for k in ("loss_scale", "growth_tracker", "hysteresis_left", "skipped_steps"):
-            assert torch.equal(s1[k], s2[k]), k
-    assert int(sd1["scalers"][0]["skipped_steps"]) == 2
+    m = opt.scale_metrics(as_python=True)
+    assert m["skipped_steps"] == 1 and m["consecutive_skips"] == 1
+    assert m["loss_scale"] == 2.0**16  # neither loss overflowed: the scales stay
 
 
-def test_load_state_dict_rejects_other_modes():
-    net = make_model()
-    _, opt, _ = mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                                            mode="torch")
-    net2 = make_model()
-    _, opt2, _ = mpfunc_torch.convert_to_amp(net2, torch.optim.SGD(net2.parameters(), lr=0.1),
-                                             mode="naive")
-    with pytest.raises(ValueError, match="from mode 'torch'"):
-        opt2.load_state_dict(opt.state_dict())
-    with pytest.raises(ValueError, match="missing keys"):
-        opt.load_state_dict({"optimizer": {}})
+def test_consecutive_skips_counts_the_current_run_of_skips():
+    net = tiny_model()
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.MSELoss(), mode="torch")
+    x, y = tiny_batch()
+    seen = []
+    for factor in (1, "inf", "inf", "nan", 1, "inf"):
+        opt.zero_grad()
+        opt.backward(crit(model(x), y) * float(factor))
+        opt.step()
+        seen.append(opt.scale_metrics(as_python=True)["consecutive_skips"])
+    assert seen == [0, 1, 2, 3, 0, 1]
+    assert opt.state_dict()["scalers"][0]["consecutive_skips"].item() == 1
+
+
+# -- torch's fused SGD and skipped first steps ------------------------------------------
+
+def _poison_allocator(shape):
+    # Freed memory of the same size is handed out again by the allocator: fill it with
+    # NaN so that an uninitialised buffer shows.
+    junk = torch.full(shape, float("nan"))
+    del junk
+
+
+def test_torch_fused_sgd_keeps_uninitialised_momentum_after_a_skipped_first_step():
+    # Pins the upstream behaviour the wrapper works around: if this starts failing,
+    # torch no longer creates the buffers on a skipped step and the workaround can go.
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+    p.grad = torch.randn(8, 8)
+    opt.grad_scale, opt.found_inf = None, torch.ones(())
+    opt.step()
+    assert "momentum_buffer" in opt.state[p]  # created although the step was skipped
+
+
+@pytest.mark.parametrize("mode, cfg", [("naive", {"initial_scale": 2.0**8}), ("torch", {}),
+                                       ("apex", {"opt_level": "O2", "verbosity": 0})])
+def test_fused_sgd_momentum_after_a_skipped_first_step_is_a_clean_first_step(mode, cfg):
+    x, y = tiny_batch(n=16)
+    results = []
+    for skip_first in (True, False):
+        net = tiny_model(n=16)
+        sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, fused=True)
+        model, opt, crit = mpfunc_torch.convert_to_amp(net, sgd, torch.nn.MSELoss(),
+                                                       mode=mode, **cfg)
+        if skip_first:
+            _poison_allocator((16, 16))
+            opt.backward(crit(model(x), y) * float("inf"))
+            assert not bool(opt.step())
+            assert all("momentum_buffer" not in s for s in opt.state.values())
+            opt.zero_grad()
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(crit(model(x), y))
+            assert bool(opt.step())
+        results.append([p.detach().clone() for p in net.parameters()])
+        assert all(torch.isfinite(p).all() for p in net.parameters())
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+# -- an overflow created by unscaling (scale < 1) ---------------------------------------
+
+class _Huge(torch.nn.Module):
+    """loss = 1e40 * sum(w * x): the true gradient (~1e40) overflows float32, but scaled
+    by 2**-10 it is finite (~1e37), so only unscaling overflows."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((4,), 1e-12))
+
+    def forward(self, x):
+        return ((self.w * x).sum() * 1e20) * 1e20
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "adam", "adam-fused"])
+def test_overflow_created_by_unscaling_is_skipped(opt_kind):
+    net = _Huge()
+    inner = (torch.optim.SGD(net.parameters(), lr=0.1) if opt_kind == "sgd" else
+             torch.optim.Adam(net.parameters(), lr=0.1, fused=opt_kind == "adam-fused"))
+    model, opt, _ = mpfunc_torch.convert_to_amp(
+        net, inner, mode="apex", opt_level="O1", max_loss_scale=2.0**-10,
+        min_loss_scale=2.0**-20, verbosity=0)
+    assert opt.loss_scale.item() == 2.0**-10
+    before = net.w.detach().clone()
+    opt.backward(model(torch.ones(4)))
+    assert bool(torch.isfinite(net.w.grad).all())  # the scaled gradient is finite
+    assert not bool(opt.step())
+    assert torch.equal(net.w, before)
+    assert all(torch.isfinite(v).all() for s in opt.state.values() for v in s.values())
+    assert opt.loss_scale.item() == 2.0**-11
+
+
+def test_unscaling_overflow_in_float16_grads_is_skipped():
+    # apex O3 with a dynamic scale below 1: float16 gradients overflow when unscaled.
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1, bias=False)
+    model, opt, _ = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=1e-9), mode="apex", opt_level="O3",
+        loss_scale="dynamic", max_loss_scale=2.0**-10, min_loss_scale=2.0**-12, verbosity=0)
+    before = net.weight.detach().clone()
+    opt.backward(model(torch.full((1, 4), 3e4)).sum() * 4)  # true grad 1.2e5 > fp16 max
+    assert bool(torch.isfinite(net.weight.grad).all())
+    assert not bool(opt.step())
+    assert torch.equal(net.weight, before)
+
+
+# -- sparse and complex gradients --------------------------------------------------------
+
+class _Bag(torch.nn.Module):
+    def __init__(self, sparse):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 8, sparse=sparse)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, idx):
+        return self.head(self.embed(idx).mean(1))
+
+
+def _bag_data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 50, (16, 6), generator=g), torch.randn(16, 1, generator=g)
+
+
+def test_sparse_grads_in_torch_mode_match_gradscaler():
+    # Indices repeat in every batch, so the embedding's sparse grad is uncoalesced. Ours
+    # is coalesced before unscaling (GradScaler does so for float16 ones only), so the
+    # duplicates are summed in another order: equal up to float32 rounding.
+    ours = _Bag(sparse=True)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        ours, torch.optim.SGD(ours.parameters(), lr=0.5), torch.nn.MSELoss(), mode="torch")
+    ref = _Bag(sparse=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(4):
+        idx, y = _bag_data(step)
+        opt.zero_grad()
+        opt.backward(crit(model(idx), y))
+        opt.step()
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = ref(idx)
+        scaler.scale(torch.nn.functional.mse_loss(out.float(), y)).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+    torch.testing.assert_close(ours.embed.weight, ref.embed.weight, rtol=1e-6, atol=1e-7)
+    assert torch.equal(ours.head.weight, ref.head.weight)
+    assert not torch.equal(ours.embed.weight, _Bag(sparse=True).embed.weight)  # it trained
+
+
+def test_sparse_grads_are_unscaled_in_place():
+    net = _Bag(sparse=True)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.5), torch.nn.MSELoss(), mode="apex",
+        opt_level="O1", verbosity=0)
+    dense = _Bag(sparse=False)
+    idx, y = _bag_data(0)
+    opt.backward(crit(model(idx), y))
+    opt.unscale_()
+    model_fp32 = torch.nn.functional.mse_loss(dense(idx), y)
+    model_fp32.backward()
+    torch.testing.assert_close(net.embed.weight.grad.to_dense(), dense.embed.weight.grad,
+                               rtol=2e-2, atol=1e-5)
+
+
+def test_complex_params_are_unscaled_and_checked_in_both_parts():
+    class Complex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.z = torch.nn.Parameter(torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64))
+
+        def forward(self, x):
+            return (self.z * x).abs().sum()
+
+    net = Complex()
+    model, opt, _ = mpfunc_torch.convert_to_amp(
+        net, torch.optim.Adam(net.parameters(), lr=0.1), mode="torch", init_scale=2.0**10)
+    x = torch.tensor([1.0, 3.0])
+    opt.backward(model(x))
+    opt.unscale_()
+    ref = Complex()
+    ref(x).backward()
+    assert torch.equal(net.z.grad, ref.z.grad)  # power-of-two scale: exact
+    assert bool(opt.step())
+    before = net.z.detach().clone()
+    opt.zero_grad()
+    opt.backward(model(x))
+    net.z.grad[1] = complex(0.0, float("inf"))  # only the imaginary part overflows
+    assert not bool(opt.step())
+    assert torch.equal(net.z, before)
+
+
+def test_sparse_grads_with_per_loss_scales():
+    net = _Bag(sparse=True)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.5), torch.nn.MSELoss(), mode="apex",
+        opt_level="O1", num_losses=2, max_loss_scale=2.0**8, verbosity=0)
+    dense = _Bag(sparse=False)
+    idx, y = _bag_data(0)
+    out = model(idx)
+    opt.backward(crit(out, y), loss_id=0, retain_graph=True)
+    opt.backward(crit(out, y) * 2, loss_id=1)
+    opt.unscale_()
+    assert net.embed.weight.grad.is_coalesced()
+    (3 * torch.nn.functional.mse_loss(dense(idx), y)).backward()
+    torch.testing.assert_close(net.embed.weight.grad.to_dense(), dense.embed.weight.grad,
+                               rtol=2e-2, atol=1e-5)
+    assert bool(opt.step())

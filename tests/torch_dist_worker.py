@@ -57,6 +57,59 @@ elif scenario == "ddp":
     model, opt, crit = mpfunc_torch.convert_to_amp(ddp, opt, torch.nn.MSELoss(), mode="torch")
     result["report"] = run_steps(model, opt, crit, inf_at={(2, 0)})
 
+elif scenario == "ddp_orders":
+    # DDP and convert_to_amp in both orders, per mode: each rank trains on its own data;
+    # averaged gradients leave the ranks' params identical. The report has, per order,
+    # the params after 3 steps or the error the conversion raised.
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+
+    cases = {
+        "torch": ("torch", {"init_scale": 2.0**8}),
+        "apex-O1": ("apex", {"opt_level": "O1", "verbosity": 0, "max_loss_scale": 2.0**8}),
+        "naive": ("naive", {"initial_scale": 2.0**8}),
+        "apex-O2": ("apex", {"opt_level": "O2", "verbosity": 0, "max_loss_scale": 2.0**8}),
+    }
+    for key, (mode, cfg) in cases.items():
+        result[key] = {}
+        # "rank_init": each rank starts from its own weights, and DDP's broadcast of
+        # rank 0's must reach everything that trains.
+        for order in ("convert_then_ddp", "ddp_then_convert", "convert_then_ddp_rank_init"):
+            net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8),
+                                      torch.nn.Tanh(), torch.nn.Linear(8, 1))
+            torch.manual_seed(rank if order.endswith("rank_init") else 0)
+            for p in net.parameters():
+                torch.nn.init.normal_(p, std=0.5)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            try:
+                if order.startswith("convert_then_ddp"):
+                    model, opt, crit = mpfunc_torch.convert_to_amp(
+                        net, opt, torch.nn.MSELoss(), mode=mode, **cfg)
+                    model = DDP(model)
+                else:
+                    model, opt, crit = mpfunc_torch.convert_to_amp(
+                        DDP(net), opt, torch.nn.MSELoss(), mode=mode, **cfg)
+            except ValueError as e:
+                result[key][order] = {"error": str(e)}
+                continue
+            report = run_steps(model, opt, crit, inf_at=set(), steps=3)
+            result[key][order] = {"stepped": [s["stepped"] for s in report],
+                                  "params": [p.detach().double().flatten().tolist()
+                                             for p in net.parameters()]}
+
+elif scenario == "fsdp2_half_mode":
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    net = local_model(0)
+    fully_shard(net, mesh=mesh)
+    try:
+        mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    mode="naive")
+        result["error"] = None
+    except ValueError as e:
+        result["error"] = str(e)
+
 elif scenario == "tensor_parallel":
     # One Linear(4 -> 8) split by output rows: rank r holds rows [4r, 4r+4). Each rank's
     # loss depends only on its rows, so each rank sees a different shard of the grads.

@@ -98,3 +98,13 @@ def fp32_losses(kind):
     if kind not in _FP32:
         _FP32[kind] = train("torch", {"enabled": False}, kind=kind)[2]
     return _FP32[kind]
+
+
+def tiny_model(seed=0, n=6):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Tanh(), torch.nn.Linear(n, 1))
+
+
+def tiny_batch(seed=0, n=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, n, generator=g), torch.randn(16, 1, generator=g)

@@ -11,12 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:  # jax >= 0.4.30 exposes these publicly here
-    from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
-except ImportError:  # pragma: no cover
-    from jax.core import ClosedJaxpr, Jaxpr, Literal  # type: ignore
+from mpfunc._src.rewrite import (
+    INLINE,
+    Literal,
+    Rewriter,
+    cast,
+    is_float,
+    strip_dot_algorithm,
+    widest,
+)
 
-__all__ = ["autocast", "AutocastLists", "HALF_OPS", "FLOAT32_OPS"]
+__all__ = ["autocast", "AutocastLists", "HALF_OPS", "FLOAT32_OPS", "without_dot_algorithms"]
 
 # Run in the compute dtype, accumulating in float32 where the backend allows it.
 HALF_OPS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
@@ -32,13 +37,6 @@ FLOAT32_OPS: frozenset[str] = frozenset({
     # reductions used for norms, means, variances and losses
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_precision",
 })
-
-# Nested jit is inlined, so the rules reach through it with no boundary casts; so are
-# custom_jvp functions (jax.nn.relu, jax.nn.softmax, ...): their primal program is
-# autocast and differentiated directly, instead of upcasting at their edges.
-_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
-_INLINE_CALL = frozenset({"custom_jvp_call"})
-
 
 @dataclasses.dataclass(frozen=True)
 class AutocastLists:
@@ -63,111 +61,46 @@ class AutocastLists:
                              "`float32_ops`.")
 
 
-def _bind_with_subprograms(prim, invals, params):
-    """Binds a primitive from jaxpr params, as ``jax.core.eval_jaxpr`` does.
+class _Rules(Rewriter):
+    """autocast's rules: half ops in the compute dtype, float32 ops in float32, the rest
+    following their inputs."""
 
-    ``get_bind_params`` turns jaxpr-valued params back into what ``bind`` takes (e.g. a
-    custom_vjp's functions). It returns the params alone in newer jax and a
-    ``(subfuns, params)`` pair in older jax; both are handled here, in one place.
-    """
-    out = prim.get_bind_params(params)
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-        subfuns, bind_params = out
-        return prim.bind(*subfuns, *invals, **bind_params)
-    return prim.bind(*invals, **out)
-
-
-def _is_float_dtype(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-def _cast(x, dtype):
-    if _is_float_dtype(jnp.result_type(x)) and jnp.result_type(x) != dtype:
-        return jax.lax.convert_element_type(x, dtype)
-    return x
-
-
-def _widest(dtypes):
-    # Among floating dtypes of equal width (f16 vs bf16), float32 is the safe join.
-    best = None
-    for d in dtypes:
-        d = np.dtype(d)
-        if best is None or d.itemsize > best.itemsize:
-            best = d
-        elif d.itemsize == best.itemsize and d != best:
-            best = np.dtype(jnp.float32)
-    return best
-
-
-class _Rules:
     def __init__(self, compute_dtype, lists: AutocastLists):
         self.compute = np.dtype(compute_dtype)
         self.lists = lists
 
-    # -- evaluation of a jaxpr under the rules ------------------------------------------
-    def eval_jaxpr(self, jaxpr: Jaxpr, consts, args):
-        env: dict[Any, Any] = {}
-
-        def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
-
-        for v, c in zip(jaxpr.constvars, consts):
-            env[v] = c
-        for v, a in zip(jaxpr.invars, args):
-            env[v] = a
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            outs = self.apply(eqn, invals)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, o in zip(eqn.outvars, outs):
-                env[v] = o
-        return [read(v) for v in jaxpr.outvars]
-
-    def apply(self, eqn, invals):
+    def rule(self, eqn, invals, tags):
+        del tags
         prim, params = eqn.primitive, dict(eqn.params)
         name = prim.name
-        if name in _INLINE and isinstance(params.get("jaxpr"), ClosedJaxpr):
-            cj = params["jaxpr"]
-            outs = self.eval_jaxpr(cj.jaxpr, cj.consts, invals)
-            return outs if prim.multiple_results else outs[0]
-        if name in _INLINE_CALL and isinstance(params.get("call_jaxpr"), ClosedJaxpr):
-            cj = params["call_jaxpr"]
-            outs = self.eval_jaxpr(cj.jaxpr, cj.consts, invals[params.get("num_consts", 0):]
-                                   if not cj.jaxpr.constvars and len(cj.jaxpr.invars) < len(invals)
-                                   else invals)
-            return outs if prim.multiple_results else outs[0]
-        if self._has_subjaxpr(params):
-            # A control-flow or custom-derivative boundary: rewrite the sub-programs with
-            # the rules inside and the original dtypes at their edges, so the primitive's
-            # signature (carries, branches, custom rules) is unchanged.
-            params = {k: self._rewrite_param(v) for k, v in params.items()}
-            invals = [_cast(x, v.aval.dtype) if hasattr(v.aval, "dtype") else x
-                      for x, v in zip(invals, eqn.invars)]
-            return _bind_with_subprograms(prim, invals, params)
         # Scalar literals (weakly typed, or constants baked in at trace time) adapt to the
         # data: they do not take part in choosing the dtype.
         floats = [x for x, v in zip(invals, eqn.invars)
-                  if _is_float_dtype(jnp.result_type(x)) and not isinstance(v, Literal)
+                  if is_float(jnp.result_type(x)) and not isinstance(v, Literal)
                   and not getattr(v.aval, "weak_type", False)]
-        if not floats and not any(_is_float_dtype(jnp.result_type(x)) for x in invals):
+        if not floats and not any(is_float(jnp.result_type(x)) for x in invals):
             return prim.bind(*invals, **params)
         if name in self.lists.half_ops:
-            invals = [_cast(x, self.compute) for x in invals]
-            if "preferred_element_type" in params and len(invals) == 2:
-                return self._half_op(prim, params)(*invals)
-            return prim.bind(*invals, **params)
+            return self.half_op(prim, params, invals)
         if name in self.lists.float32_ops:
-            return prim.bind(*[_cast(x, jnp.float32) for x in invals], **params)
+            return prim.bind(*[cast(x, jnp.float32) for x in invals], **params)
         if name == "convert_element_type":
             return prim.bind(*invals, **params)  # an explicit cast in user code is kept
         if not floats:  # only weak (scalar-literal) floats: nothing to decide
             return prim.bind(*invals, **params)
-        target = _widest(jnp.result_type(x) for x in floats)
-        invals = [_cast(x, target) for x in invals]
-        pet = params.get("preferred_element_type")
-        if pet is not None and _is_float_dtype(pet):
-            params["preferred_element_type"] = target
+        return follow_inputs(prim, params, invals, floats)
+
+    def half_op(self, prim, params, invals):
+        """A half op on ``invals`` cast to the compute dtype.
+
+        A dot algorithm preset (``F16_F16_F32``, which ``jax.nn.dot_product_attention``
+        asks for with float16 inputs) is dropped: float32 accumulation is expressed by
+        ``preferred_element_type`` instead, which every backend supports.
+        """
+        invals = [cast(x, self.compute) for x in invals]
+        params = strip_dot_algorithm(params)
+        if "preferred_element_type" in params and len(invals) == 2:
+            return self._half_op(prim, params)(*invals)
         return prim.bind(*invals, **params)
 
     def _half_op(self, prim, params):
@@ -182,7 +115,7 @@ class _Rules:
 
         @jax.custom_vjp
         def op(a, b):
-            return _cast(prim.bind(a, b, **acc), compute)
+            return cast(prim.bind(a, b, **acc), compute)
 
         def fwd(a, b):
             return op(a, b), (a, b)
@@ -198,46 +131,91 @@ class _Rules:
         op.defvjp(fwd, bwd)
         return op
 
-    # -- sub-programs -------------------------------------------------------------------
-    @staticmethod
-    def _has_subjaxpr(params) -> bool:
-        for v in params.values():
-            if isinstance(v, ClosedJaxpr | Jaxpr):
-                return True
-            if isinstance(v, tuple) and v and all(isinstance(b, ClosedJaxpr) for b in v):
-                return True
-        return False
 
-    def _rewrite_param(self, v):
-        if isinstance(v, ClosedJaxpr):
-            return self._rewrite_closed(v)
-        if isinstance(v, Jaxpr):
-            new = self._rewrite_closed(ClosedJaxpr(v, ()))
-            if new.consts:
-                raise NotImplementedError(
-                    "mpfunc.autocast: rewriting this sub-program introduced constants; "
-                    "please report it with the function that triggered it."
-                )
-            return new.jaxpr
-        if isinstance(v, tuple) and v and all(isinstance(b, ClosedJaxpr) for b in v):
-            return tuple(self._rewrite_closed(b) for b in v)
-        return v
-
-    def _rewrite_closed(self, cj: ClosedJaxpr) -> ClosedJaxpr:
-        in_avals = [v.aval for v in cj.jaxpr.invars]
-        out_dtypes = [getattr(v.aval, "dtype", None) for v in cj.jaxpr.outvars]
-
-        def body(*args):
-            outs = self.eval_jaxpr(cj.jaxpr, cj.consts, args)
-            return [o if d is None else _cast(o, d) for o, d in zip(outs, out_dtypes)]
-
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-                 for a in in_avals]
-        return jax.make_jaxpr(body)(*specs)
+def follow_inputs(prim, params, invals, floats):
+    """Binds ``prim`` with its floating inputs promoted to the widest among ``floats``."""
+    target = widest(jnp.result_type(x) for x in floats)
+    invals = [cast(x, target) for x in invals]
+    pet = params.get("preferred_element_type")
+    if pet is not None and is_float(pet):
+        params = dict(params, preferred_element_type=target)
+    return prim.bind(*invals, **params)
 
 
-def _is_traceable(x) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic)
+class _StripDotAlgorithms(Rewriter):
+    """Drops dot algorithm presets and nothing else: every dtype stays as traced."""
+
+    inline_custom_jvp = False
+
+    def rule(self, eqn, invals, tags):
+        del tags
+        params = dict(eqn.params)
+        if eqn.primitive.name == "dot_general":
+            params = strip_dot_algorithm(params)
+        return eqn.primitive.bind(*invals, **params)
+
+
+class _HalfModelRules(_Rules):
+    """A half-precision model whose normalisation params stay float32 (apex O2).
+
+    Matmuls run in the compute dtype (float32 accumulation), whatever upcast reached
+    them. An op that applies a float32 norm param (tagged ``True``, or derived from
+    tagged values only) to an activation runs in float32 and returns the compute dtype,
+    so a norm's output goes back to the compute dtype as on the torch side. Everything
+    else follows its inputs (no float32 op list: apex O2 patches no functions).
+    """
+
+    def __init__(self, compute_dtype):
+        super().__init__(compute_dtype, AutocastLists(float32_ops=()))
+
+    def tags(self, jaxpr, in_tags):
+        norm = {v: True for v, t in zip(jaxpr.invars, in_tags) if t}
+        for eqn in jaxpr.eqns:
+            name, params = eqn.primitive.name, eqn.params
+            ins = [v for v in eqn.invars if not isinstance(v, Literal)
+                   and hasattr(v.aval, "dtype") and is_float(v.aval.dtype)]
+            if name in INLINE and hasattr(params.get("jaxpr"), "jaxpr"):
+                inner = params["jaxpr"].jaxpr
+                _, out = self.tags(inner, [norm.get(v) if not isinstance(v, Literal) else None
+                                           for v in eqn.invars])
+                norm.update({v: True for v, t in zip(eqn.outvars, out) if t})
+            elif ins and all(v in norm for v in ins) and not self._has_subjaxpr(params):
+                norm.update({v: True for v in eqn.outvars})  # a view of norm params
+        return norm, [norm.get(v) if not isinstance(v, Literal) else None
+                      for v in jaxpr.outvars]
+
+    def rule(self, eqn, invals, tags):
+        floats = [(x, t) for x, t, v in zip(invals, tags, eqn.invars)
+                  if is_float(jnp.result_type(x)) and not isinstance(v, Literal)]
+        if any(t for _, t in floats) and not all(t for _, t in floats):
+            # A norm param meets an activation: float32 in, the compute dtype out.
+            params = dict(eqn.params)
+            if is_float(params.get("preferred_element_type") or np.int32):
+                params["preferred_element_type"] = np.dtype(jnp.float32)
+            out = eqn.primitive.bind(*[cast(x, jnp.float32) for x in invals], **params)
+            if eqn.primitive.multiple_results:
+                return [cast(o, self.compute) for o in out]
+            return cast(out, self.compute)
+        return super().rule(eqn, invals, tags)
+
+
+def half_model(fn: Callable, compute_dtype: Any, is_norm: Callable[[tuple, Any], bool]):
+    """``fn(params, *args, **kwargs)`` under `_HalfModelRules`; ``is_norm(path, leaf)``
+    marks the float32 normalisation params among ``params``."""
+
+    def in_tag(path, leaf):
+        return len(path) > 2 and path[0].idx == 0 and path[1].idx == 0 and bool(
+            is_norm(path[2:], leaf))
+
+    return _HalfModelRules(compute_dtype).wrap(fn, in_tag)
+
+
+def without_dot_algorithms(fn: Callable) -> Callable:
+    """``fn`` with its dot algorithm presets dropped (see `rewrite.strip_dot_algorithm`).
+
+    Used to run float16 attention on CPU, where XLA refuses ``F16_F16_F32`` under jit.
+    """
+    return _StripDotAlgorithms().wrap(fn)
 
 
 def autocast(
@@ -250,7 +228,9 @@ def autocast(
 
     * Matmul-like ops (``HALF_OPS``: ``dot_general``, ``conv_general_dilated``, batched or
       not) run in ``compute_dtype``, accumulating in float32 (``preferred_element_type``)
-      and returning ``compute_dtype``.
+      and returning ``compute_dtype``. A dot algorithm preset in ``fn`` (e.g. the
+      ``F16_F16_F32`` that ``jax.nn.dot_product_attention`` asks for, which XLA:CPU
+      refuses under ``jit``) is replaced by that float32 accumulation.
     * Precision-sensitive ops (``FLOAT32_OPS``: exp/log/log1p/expm1, powers and roots,
       erf/erfc/logistic, and the sums behind means, variances, norms, softmax and
       logsumexp) run in float32.
@@ -301,23 +281,4 @@ def autocast(
         lists = AutocastLists()
     elif not isinstance(lists, AutocastLists):
         raise TypeError(f"`lists` must be an AutocastLists, got {type(lists).__name__}.")
-    rules = _Rules(compute, lists)
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic_idx = [i for i, x in enumerate(leaves) if _is_traceable(x)]
-        dynamic = [leaves[i] for i in dynamic_idx]
-
-        def flat_fn(*dyn):
-            full = list(leaves)
-            for i, x in zip(dynamic_idx, dyn):
-                full[i] = x
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            return fn(*a, **k)
-
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
-        outs = rules.eval_jaxpr(closed.jaxpr, closed.consts, dynamic)
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
-
-    return wrapped
+    return _Rules(compute, lists).wrap(fn)

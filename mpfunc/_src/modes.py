@@ -13,7 +13,7 @@ import optax
 
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
-from mpfunc._src.autocast import autocast
+from mpfunc._src.autocast import autocast, half_model
 from mpfunc._src.loss_scale import _scale_transform
 from mpfunc._src.master_weights import master_weights
 from mpfunc._src.policy import Policy
@@ -94,6 +94,17 @@ def _cast_tree(tree, dtype, keep: Callable | None):
     return jax.tree_util.tree_map_with_path(f, tree)
 
 
+def _check_axis_name(axis_name: Any) -> None:
+    names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
+    if axis_name is None:
+        return
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            "`axis_name` must be None, a mesh axis name (a non-empty str) or a tuple of "
+            f"them, got {type(axis_name).__name__}: {axis_name!r}. Pass the names your "
+            "`shard_map`/`pmap` uses, e.g. axis_name='data' or ('data', 'model').")
+
+
 def convert_to_amp(
     apply_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -125,8 +136,10 @@ def convert_to_amp(
     ``apply_fn(params, *args, **kwargs)`` is wrapped: with autocast modes it runs under
     `mpfunc.autocast`; otherwise floating inputs are cast to the compute dtype. Outputs
     are cast to float32 (JAX has no criterion wrapper; this is its analogue). In O2 the
-    params `is_norm` selects stay float32, and so does their computation where it reads
-    them (half activations meeting float32 norm params promote to float32).
+    params `is_norm` selects stay float32; an op applying one to an activation runs in
+    float32 and returns the compute dtype (a norm's output goes back to half precision,
+    as the torch side's norm hooks do), and matmuls run in the compute dtype with float32
+    accumulation, whatever upcast reached them.
 
     Args:
       apply_fn: ``apply_fn(params, *args, **kwargs)``.
@@ -138,15 +151,16 @@ def convert_to_amp(
         object such as ``mpfunc.FP16NaiveMixedPrecision(hysteresis=3)`` (hashable, so it
         can be a static ``jit`` argument). Each means exactly the same mode and keys.
       is_norm: ``(path, leaf) -> bool`` marking normalisation params (O2).
-      axis_name: mesh axes for the finite check under ``shard_map``.
+      axis_name: mesh axes for the finite check under ``shard_map`` (a name or a tuple).
       **config: the mode's keys (see ``mpfunc_torch.convert_to_amp``).
 
     Returns:
       An `AmpSetup`.
 
     Raises:
-      ValueError: unknown mode, opt level or key (listing the valid ones), or an
-        inconsistent config.
+      ValueError: unknown mode, opt level or key (listing the valid ones), an
+        inconsistent config, or ``num_losses > 1`` (per-loss scales: torch side only).
+      TypeError: a non-callable ``apply_fn`` or ``is_norm``, a bad ``axis_name``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, mpfunc
@@ -160,7 +174,20 @@ def convert_to_amp(
     if not isinstance(optimizer, optax.GradientTransformation | optax.GradientTransformationExtraArgs):
         raise TypeError("`optimizer` must be an optax GradientTransformation, got "
                         f"{type(optimizer).__name__}.")
+    if not callable(is_norm):
+        raise TypeError("`is_norm` must be a callable `(path, leaf) -> bool` marking "
+                        f"normalisation params, got {type(is_norm).__name__}: {is_norm!r}. "
+                        "Use the default `mpfunc.is_norm_param` or e.g. "
+                        "`lambda path, leaf: 'ln' in jax.tree_util.keystr(path)`.")
+    _check_axis_name(axis_name)
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
+    if plan.num_losses != 1:
+        raise ValueError(
+            f"`num_losses={plan.num_losses}`: per-loss scales are not supported on JAX. A "
+            "JAX train step differentiates one scalar with one scale: add the losses "
+            "(`loss = loss_a + loss_b`) and use one `mpfunc.scale_loss`, or build one "
+            "optimizer per loss (`mpfunc.dynamic_scale(...)` each, with its own state). "
+            "Remove `num_losses` (the torch side supports it with `loss_id=`).")
     if plan.verbose:  # apex's verbosity / naive's verbose, as on the torch side
         print(f"mpfunc.convert_to_amp: {plan.describe()}")
     f32 = jnp.float32
@@ -185,6 +212,15 @@ def convert_to_amp(
         inner_apply = autocast(apply_fn, compute_dtype=compute)
 
         def wrapped(params, *args, **kwargs):
+            return policy.cast_to_output(inner_apply(params, *args, **kwargs))
+    elif keep is not None and compute != f32:
+        # O2: a half model with float32 norms. Matmuls stay in the compute dtype and each
+        # norm's output goes back to it (as the torch side's norm hooks do), instead of
+        # float32 norm params promoting everything after them to float32.
+        inner_apply = half_model(apply_fn, compute, keep)
+
+        def wrapped(params, *args, **kwargs):
+            args, kwargs = policy.cast_to_compute((args, kwargs))
             return policy.cast_to_output(inner_apply(params, *args, **kwargs))
     else:
         def wrapped(params, *args, **kwargs):

@@ -9,11 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Policy", "get_policy", "cast_floating", "DTYPE_ALIASES", "POLICY_PRESETS"]
+__all__ = ["Policy", "get_policy", "cast_floating", "cast_to_full", "cast_to_half",
+           "half_dtype", "DTYPE_ALIASES", "POLICY_PRESETS"]
 
 # Every accepted spelling of a dtype. "half" is IEEE float16 (binary16), as in torch's
-# `Tensor.half()`; it never means bfloat16.
+# `Tensor.half()`; it never means bfloat16 (jmp's "half" is bfloat16 on TPU; use
+# `half_dtype()` for that).
 DTYPE_ALIASES: dict[str, Any] = {
+    "float64": jnp.float64,
+    "f64": jnp.float64,
     "float32": jnp.float32,
     "f32": jnp.float32,
     "full": jnp.float32,
@@ -30,6 +34,7 @@ DTYPE_ALIASES: dict[str, Any] = {
 
 # The short name `str(policy)` prints for each dtype.
 _SHORT_NAMES = {
+    np.dtype(jnp.float64): "f64",
     np.dtype(jnp.float32): "f32",
     np.dtype(jnp.bfloat16): "bf16",
     np.dtype(jnp.float16): "f16",
@@ -182,11 +187,44 @@ class Policy:
         )
 
 
-def get_policy(spec: str | Policy) -> Policy:
+def half_dtype() -> np.dtype:
+    """The half-precision dtype for the default backend: bfloat16 on TPU, else float16.
+
+    The same rule as jmp's ``half_dtype()``.
+
+    Examples:
+      >>> import jax
+      >>> half_dtype() == ("bfloat16" if jax.default_backend() == "tpu" else "float16")
+      True
+    """
+    return np.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
+
+
+def cast_to_half(tree: Any) -> Any:
+    """Casts the floating leaves of ``tree`` to `half_dtype()` (jmp's ``cast_to_half``)."""
+    return cast_floating(tree, half_dtype())
+
+
+def cast_to_full(tree: Any) -> Any:
+    """Casts the floating leaves of ``tree`` to float32 (jmp's ``cast_to_full``)."""
+    return cast_floating(tree, jnp.float32)
+
+
+def _duck_policy(spec: Any) -> Policy | None:
+    # A policy from another library (jmp.Policy, haiku's) with the same three fields.
+    fields = ("param_dtype", "compute_dtype", "output_dtype")
+    if all(hasattr(spec, f) for f in fields):
+        return Policy(*(getattr(spec, f) for f in fields))
+    return None
+
+
+def get_policy(spec: Any) -> Policy:
     """Parses a policy from a string such as ``"params=float32,compute=bfloat16"``.
 
-    Keys: ``params``/``p``, ``compute``/``c``, ``output``/``o``. An omitted ``compute``
-    defaults to ``params``, an omitted ``output`` to ``compute``. A bare dtype
+    The grammar is jmp's: keys ``params``/``p``, ``compute``/``c``, ``output``/``o``; an
+    omitted ``params`` is float32 (full precision), an omitted ``compute`` follows
+    ``params`` and an omitted ``output`` follows ``compute``, so ``"c=f16"`` is
+    ``p=f32,c=f16,o=f16`` and ``"o=bf16"`` is ``p=f32,c=f32,o=bf16``. A bare dtype
     (``"bf16"``) means all three. ``str(policy)`` round-trips through this function.
 
     dtype names:
@@ -197,6 +235,7 @@ def get_policy(spec: str | Policy) -> Policy:
     ``float32``, ``f32``, ``full``  float32
     ``bfloat16``, ``bf16``          bfloat16
     ``float16``, ``f16``, ``half``  float16 (IEEE binary16; ``half`` never means bfloat16)
+    ``float64``, ``f64``            float64 (needs ``jax_enable_x64`` to take effect)
     ``float8_e4m3fn``, ``f8e4m3``   float8_e4m3fn
     ``float8_e5m2``, ``f8e5m2``     float8_e5m2
     ============================  =====================================
@@ -212,26 +251,32 @@ def get_policy(spec: str | Policy) -> Policy:
     =================  ==========  ==========  ==========
 
     Args:
-      spec: a policy string, or a ``Policy`` (returned unchanged).
+      spec: a policy string, a ``Policy`` (returned unchanged), or any object with
+        ``param_dtype``, ``compute_dtype`` and ``output_dtype`` (e.g. a ``jmp.Policy``).
 
     Returns:
       The ``Policy``.
 
     Raises:
-      TypeError: ``spec`` is neither a string nor a ``Policy``.
+      TypeError: ``spec`` is neither a string nor a policy.
       ValueError: an empty spec, a malformed ``key=value`` pair, an unknown or duplicated
         key, or an unknown or non-floating dtype. The message names the offending part
         and lists what is valid.
 
     Examples:
-      >>> str(get_policy("p=f32,c=bf16"))
+      >>> str(get_policy("c=bf16"))
       'p=f32,c=bf16,o=bf16'
+      >>> str(get_policy("c=f16,o=full"))
+      'p=f32,c=f16,o=f32'
       >>> str(get_policy("mixed_f16"))
       'p=f32,c=f16,o=f32'
     """
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
+        duck = _duck_policy(spec)
+        if duck is not None:
+            return duck
         raise TypeError(
             f"`spec` must be a policy string or a Policy, got {type(spec).__name__}: {spec!r}."
         )
@@ -265,11 +310,7 @@ def get_policy(spec: str | Policy) -> Policy:
         if role in roles:
             raise ValueError(f"`spec` {spec!r}: key {key!r} sets {role!r} twice.")
         roles[role] = _to_dtype(value, role)
-    if "params" not in roles:
-        raise ValueError(
-            f"`spec` {spec!r} does not set params; add e.g. 'params=float32' (or 'p=f32')."
-        )
-    params = roles["params"]
+    params = roles.get("params", np.dtype(jnp.float32))  # jmp: unset params are full
     compute = roles.get("compute", params)
     output = roles.get("output", compute)
     return Policy(params, compute, output)

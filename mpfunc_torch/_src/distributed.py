@@ -20,17 +20,17 @@ def normalize_groups(process_group: Any) -> tuple[Any, ...]:
         groups = (process_group,)
     if groups and not torch.distributed.is_available():
         raise RuntimeError("`process_group` was given but torch.distributed is not available.")
+    for g in groups:
+        if not isinstance(g, torch.distributed.ProcessGroup):
+            raise TypeError(
+                "`process_group` must be a torch.distributed.ProcessGroup or a sequence of "
+                f"them, got {type(g).__name__}: {g!r}."
+            )
     if groups and not torch.distributed.is_initialized():
         raise RuntimeError(
             "`process_group` was given but torch.distributed is not initialized; call "
             "torch.distributed.init_process_group first."
         )
-    for g in groups:
-        if not isinstance(g, torch.distributed.ProcessGroup):
-            raise TypeError(
-                "`process_group` must be a torch.distributed.ProcessGroup or a sequence of "
-                f"them, got {type(g).__name__}."
-            )
     return groups
 
 

@@ -2,10 +2,14 @@
 
 * ``torch._amp_foreach_non_finite_check_and_unscale_``: one fused pass that multiplies
   every gradient by ``inv_scale`` in place and raises ``found_inf`` if any is inf/NaN.
+  It checks each value *before* multiplying; where the scale can be below 1 the caller
+  runs a second, check-only pass (``inv_scale`` 1) after unscaling.
 * ``torch._amp_update_scale_``: torch's one-kernel GradScaler update, used only where it
   computes exactly our rule (see `mpfunc_torch._src.loss_scale`).
 
-Both exist on CPU and CUDA in every torch this project supports (>= 2.11).
+Both exist on CPU and CUDA in every torch this project supports (>= 2.11). Sparse
+gradients are handled through their (coalesced) values, complex ones through their
+real view, so both real and imaginary parts are unscaled and checked.
 """
 
 from __future__ import annotations
@@ -15,16 +19,36 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["unscale_and_check_", "update_scale_", "count_zeros"]
+__all__ = [
+    "unscale_and_check_",
+    "update_scale_",
+    "count_zeros",
+    "clip_grads_",
+    "step_with_found_inf_",
+    "is_fused_sgd_with_momentum",
+    "fused_sgd_first_step_pending",
+]
 
 
-def _group(tensors: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+def _dense(t: torch.Tensor, real: bool) -> torch.Tensor:
+    if t.is_sparse:
+        if not t.is_coalesced():
+            # The values of an uncoalesced tensor may be a temporary: unscaling them would
+            # leave the gradient scaled. The caller coalesces into ``param.grad`` first.
+            raise ValueError("a sparse gradient is not coalesced; coalesce it into "
+                             "`param.grad` first (param.grad = param.grad.coalesce()).")
+        t = t._values()
+    if real and t.is_complex():
+        t = torch.view_as_real(t)
+    return t
+
+
+def _group(tensors: Iterable[torch.Tensor], real: bool = True) -> dict[tuple, list]:
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         if t is None:
             continue
-        if t.is_sparse:
-            t = t.coalesce()._values()
+        t = _dense(t, real)
         groups[(t.device, t.dtype)].append(t)
     return groups
 
@@ -36,7 +60,8 @@ def unscale_and_check_(
 
     One fused kernel per (device, dtype) group. ``found_inf`` (float32, 0-dim) is only
     ever raised, never cleared, so several calls accumulate. Pass ``inv_scale`` = 1 for a
-    check without unscaling. Nothing is copied to the host.
+    check without unscaling. Nothing is copied to the host. Sparse grads must be
+    coalesced; complex grads are unscaled and checked in both parts.
 
     Returns:
       ``found_inf``.
@@ -74,9 +99,54 @@ def count_zeros(grads: Iterable[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.int64)
     total = sum(g.numel() for g in grads)
     nonzero = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-    for (_device, _dtype), group in _group(grads).items():
+    for (_device, _dtype), group in _group(grads, real=False).items():
         # The L0 "norm" counts non-zero elements: one foreach call per group, accumulated
         # in float64 so that counts are exact (a float16 count would overflow at 65504).
         norms = torch._foreach_norm(group, 0, dtype=torch.float64)
         nonzero = nonzero + torch.stack(norms).sum().to(nonzero.device)
     return (total - nonzero).to(torch.int64)
+
+
+def clip_grads_(grads: Iterable[torch.Tensor], max_norm: float,
+                norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` on gradient tensors, sparse ones included (via
+    their coalesced values). Returns the total norm before clipping (a device tensor)."""
+    tensors = [_dense(g, real=False) for g in grads if g is not None]
+    if not tensors:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for (device, _dtype), group in _group(tensors).items():
+        torch._foreach_mul_(group, coef.to(device))
+    return total
+
+
+def is_fused_sgd_with_momentum(optimizer: torch.optim.Optimizer) -> bool:
+    return (isinstance(optimizer, torch.optim.SGD) and bool(optimizer.defaults.get("fused"))
+            and any(g["momentum"] != 0 for g in optimizer.param_groups))
+
+
+def fused_sgd_first_step_pending(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a momentum group of a fused SGD has no momentum buffers yet.
+
+    torch's fused SGD (2.13) allocates the buffers with ``empty_like`` on its first step
+    and lets the kernel fill them; when that step is skipped (``found_inf``) they stay
+    uninitialised, yet exist, so the next step uses garbage as momentum. Until this
+    returns False a skip must be decided before calling the optimizer.
+    """
+    state = optimizer.state
+    return any(
+        g["momentum"] != 0 and all(state.get(p, {}).get("momentum_buffer") is None
+                                   for p in g["params"])
+        for g in optimizer.param_groups)
+
+
+def step_with_found_inf_(optimizer: torch.optim.Optimizer, grad_scale, found_inf) -> None:
+    """One step of a fused optimizer (``_step_supports_amp_scaling``) that unscales by
+    ``grad_scale`` (None: already unscaled) and skips where ``found_inf`` is 1, undoing
+    its step count, all on the device."""
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    try:
+        optimizer.step()
+    finally:
+        optimizer.grad_scale, optimizer.found_inf = None, None

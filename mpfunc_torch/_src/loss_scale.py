@@ -3,21 +3,41 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from _mpfunc_common.scale_config import UPDATE_RULE, ScaleConfig, resolve_scale_config
+from _mpfunc_common.scale_config import (
+    FLOAT32_MAX,
+    FLOAT32_MIN_NORMAL,
+    SCALE_PRESETS,
+    UPDATE_RULE,
+    ScaleConfig,
+    as_python_number,
+    resolve_scale_config,
+    to_float32,
+)
 from mpfunc_torch._src import fused
 
 __all__ = ["LossScaler", "SharedScale"]
 
 _INT32_MAX = 2**31 - 1
+_STATE_KEYS = ("kind", "loss_scale", "growth_tracker", "hysteresis_left", "skipped_steps",
+               "consecutive_skips", "last_finite", "config")
 
 
 def _is_power_of_two(x: float) -> bool:
     m, _ = math.frexp(x)
     return math.isfinite(x) and x > 0 and m == 0.5
+
+
+def _device(device: Any) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"`device` must be a torch.device or a device string such as 'cpu' "
+                         f"or 'cuda', got {device!r}.") from e
 
 
 class LossScaler:
@@ -31,52 +51,67 @@ class LossScaler:
     .. code-block:: python
 
 {rule}
-    Where the rule reduces to torch's GradScaler (hysteresis 1, no floor or ceiling,
-    power-of-two factors) the update runs as torch's single fused kernel; the result is
-    the same bit for bit.
+    Where the rule reduces to torch's GradScaler (hysteresis 1, no ceiling, power-of-two
+    factors) the update runs as torch's single fused kernel followed by the floor; the
+    result is the same bit for bit. ``consecutive_skips`` counts the skipped steps since
+    the last finite one (0 after a finite step; saturates at 2**31 - 1).
 
     Args:
       kind: ``"dynamic"``, ``"static"`` or ``"none"``.
-      config: the rule's `ScaleConfig` (dynamic only); default: the ``"torch"`` preset.
-      static_scale: the fixed scale (static only).
-      device: where the state lives.
+      config: the rule's `ScaleConfig`, or a preset name (``"torch"``, ``"apex"``,
+        ``"naive"``, ``"jmp"``); dynamic only. Default: the ``"torch"`` preset.
+      static_scale: the fixed scale (static only), a normal float32 in [2**-126, 3.4e38].
+      device: where the state lives (a ``torch.device`` or a string like ``"cuda:0"``).
 
     Examples:
       >>> import torch
       >>> s = LossScaler("dynamic")
       >>> s.update(torch.tensor(1.0))  # an overflow
       >>> s.metrics(as_python=True)
-      {{'loss_scale': 32768.0, 'skipped_steps': 1, 'last_finite': False}}
+      {{'loss_scale': 32768.0, 'skipped_steps': 1, 'consecutive_skips': 1, 'last_finite': False}}
     """
 
     def __init__(
         self,
         kind: str = "dynamic",
-        config: ScaleConfig | None = None,
+        config: ScaleConfig | str | None = None,
         static_scale: float = 1.0,
         device: torch.device | str = "cpu",
     ):
         if kind not in ("dynamic", "static", "none"):
             raise ValueError(f"`kind` must be 'dynamic', 'static' or 'none', got {kind!r}.")
-        if kind == "dynamic" and config is None:
-            config = resolve_scale_config("torch")
         if kind != "dynamic" and config is not None:
             raise ValueError(f"`config` only applies to kind='dynamic', got kind={kind!r}.")
-        if not (math.isfinite(static_scale) and static_scale > 0):
-            raise ValueError(f"`static_scale` must be finite and > 0, got {static_scale!r}.")
+        if kind == "dynamic":
+            if config is None or isinstance(config, str):
+                if config is not None and config not in SCALE_PRESETS:
+                    raise ValueError(f"`config` must be a ScaleConfig or one of the presets "
+                                     f"{sorted(SCALE_PRESETS)}, got {config!r}.")
+                config = resolve_scale_config(config or "torch")
+            elif not isinstance(config, ScaleConfig):
+                raise TypeError(
+                    "`config` must be a ScaleConfig (from "
+                    "_mpfunc_common.scale_config.resolve_scale_config(preset, **overrides)) "
+                    f"or a preset name, got {type(config).__name__}: {config!r}.")
+        static = to_float32(as_python_number("static_scale", static_scale))
+        if not FLOAT32_MIN_NORMAL <= static <= FLOAT32_MAX:
+            raise ValueError("`static_scale` must be a normal float32 in [2**-126, 3.4e38], "
+                             f"got {static_scale!r}.")
         self.kind = kind
         self.config = config
-        device = torch.device(device)
+        device = _device(device)
         initial = (
             config.initial_scale if kind == "dynamic"
-            else static_scale if kind == "static" else 1.0
+            else static if kind == "static" else 1.0
         )
+        self._static = initial
         f32, i32 = torch.float32, torch.int32
         self._scale = torch.full((), initial, dtype=f32, device=device)
         self._growth_tracker = torch.zeros((), dtype=i32, device=device)
         hyst = config.hysteresis if config is not None else 1
         self._hysteresis_left = torch.full((), hyst, dtype=i32, device=device)
         self._skipped = torch.zeros((), dtype=i32, device=device)
+        self._consecutive = torch.zeros((), dtype=i32, device=device)
         self._last_finite = torch.ones((), dtype=torch.bool, device=device)
         if config is not None:
             self._growth = torch.tensor(config.growth_factor, dtype=f32, device=device)
@@ -107,8 +142,21 @@ class LossScaler:
         return self._skipped
 
     @property
+    def consecutive_skips(self) -> torch.Tensor:
+        return self._consecutive
+
+    @property
     def last_finite(self) -> torch.Tensor:
         return self._last_finite
+
+    @property
+    def may_go_below_one(self) -> bool:
+        """Whether the scale can be < 1, where unscaling multiplies by more than 1 and can
+        turn a finite gradient into an inf: gradients must then be checked after
+        unscaling too."""
+        if self.kind == "dynamic":
+            return self.config.may_go_below_one
+        return self._static < 1.0
 
     def inv_scale(self) -> torch.Tensor:
         """``1 / scale``, correctly rounded in float32 as on the JAX side (a new tensor)."""
@@ -121,14 +169,16 @@ class LossScaler:
           found_inf: 0-dim float tensor, 1 if this scale's gradients overflowed; the
             scale follows it.
           step_found_inf: the step's overall flag, when several scales share one step
-            (``num_losses > 1``: any loss overflowing skips the step). ``skipped_steps``
-            and ``last_finite`` follow it. Default: ``found_inf``.
+            (``num_losses > 1``: any loss overflowing skips the step). ``skipped_steps``,
+            ``consecutive_skips`` and ``last_finite`` follow it. Default: ``found_inf``.
         """
         found_inf = found_inf.to(self.device, torch.float32)
         finite = found_inf == 0
         step_finite = finite if step_found_inf is None else step_found_inf.to(self.device) == 0
         self._last_finite.copy_(step_finite)
         self._skipped.add_((~step_finite & (self._skipped < _INT32_MAX)).to(torch.int32))
+        c = self._consecutive
+        c.copy_(torch.where(step_finite, torch.zeros_like(c), c + (c < _INT32_MAX).to(c.dtype)))
         if self.kind != "dynamic":
             return
         if self._use_torch_kernel:
@@ -165,53 +215,157 @@ class LossScaler:
         hyst.copy_(new_hyst)
 
     def metrics(self, as_python: bool = False) -> dict[str, Any]:
-        """``loss_scale``, ``skipped_steps``, ``last_finite``: device tensors, or Python
-        numbers with ``as_python=True`` (which syncs with the device)."""
+        """``loss_scale``, ``skipped_steps``, ``consecutive_skips``, ``last_finite``: device
+        tensors, or Python numbers with ``as_python=True`` (which syncs with the device)."""
         out = {
             "loss_scale": self._scale,
             "skipped_steps": self._skipped,
+            "consecutive_skips": self._consecutive,
             "last_finite": self._last_finite,
         }
         if as_python:
             return {
                 "loss_scale": float(self._scale),
                 "skipped_steps": int(self._skipped),
+                "consecutive_skips": int(self._consecutive),
                 "last_finite": bool(self._last_finite),
             }
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Keys: ``kind``, ``loss_scale``, ``growth_tracker``, ``hysteresis_left``,
-        ``skipped_steps``, ``last_finite`` (tensors) and ``config`` (a dict of numbers, or
-        None). Loadable with ``torch.load(..., weights_only=True)``."""
+        """The state, loadable with ``torch.load(..., weights_only=True)``.
+
+        Keys: ``kind``, ``loss_scale``, ``growth_tracker``, ``hysteresis_left``,
+        ``skipped_steps``, ``consecutive_skips``, ``last_finite`` (0-dim tensors) and
+        ``config`` (the hyperparameters it was saved with, a dict of numbers, or None).
+        `load_state_dict` restores the state but keeps the loading scaler's own
+        hyperparameters, so a run may resume with a changed config (as GradScaler does).
+        """
         return {
             "kind": self.kind,
             "loss_scale": self._scale.detach().clone(),
             "growth_tracker": self._growth_tracker.detach().clone(),
             "hysteresis_left": self._hysteresis_left.detach().clone(),
             "skipped_steps": self._skipped.detach().clone(),
+            "consecutive_skips": self._consecutive.detach().clone(),
             "last_finite": self._last_finite.detach().clone(),
             "config": None if self.config is None else {
                 k: getattr(self.config, k) for k in self.config.__dataclass_fields__
             },
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores `state_dict`'s output; the kind and config must match this scaler's."""
-        expected = self.state_dict()
-        missing = sorted(set(expected) - set(state))
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a `state_dict`, all or nothing: every value is checked first.
+
+        The state (scale, trackers, skip counters) is loaded; the hyperparameters stay
+        this scaler's own, as in ``torch.amp.GradScaler.load_state_dict`` and on the JAX
+        side. Where the saved state does not fit them, it is brought inside: the scale is
+        clamped to [min_scale, max_scale], the growth tracker to ``growth_interval - 1``
+        and ``hysteresis_left`` to ``hysteresis``. A static or unit scaler keeps its scale.
+
+        Raises:
+          ValueError: a missing key, another kind, or a value that no scaler can hold
+            (non-finite, zero, negative or subnormal scale; a counter out of range; a
+            tracker beyond what the saved config allows); the message names the key.
+        """
+        self._apply(self.check_state(state))
+
+    def check_state(self, state: Any, where: str = "state") -> dict[str, Any]:
+        """Validates a `state_dict` (naming keys as ``where['key']``) and returns the
+        values `load_state_dict` would write, changing nothing."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"`{where}` must be a dict from LossScaler.state_dict(), got "
+                             f"{type(state).__name__}.")
+        missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
-            raise ValueError(f"loss-scaler `state_dict` is missing keys {missing}.")
+            raise ValueError(f"`{where}` (a loss-scaler state) is missing keys {missing}.")
         if state["kind"] != self.kind:
-            raise ValueError(f"loss-scaler kind mismatch: saved {state['kind']!r}, "
-                             f"this scaler is {self.kind!r}.")
-        if state["config"] != expected["config"]:
-            raise ValueError(f"loss-scaler config mismatch: saved {state['config']}, "
-                             f"this scaler has {expected['config']}.")
+            raise ValueError(f"`{where}['kind']`: saved {state['kind']!r}, this scaler is "
+                             f"{self.kind!r}; a checkpoint loads into the same kind of scale.")
+        saved_cfg = _check_config(state["config"], self.kind, f"{where}['config']")
+
+        def number(key, integer):
+            return _scalar(state[key], f"{where}[{key!r}]", integer)
+
+        scale = number("loss_scale", False)
+        lo, hi = FLOAT32_MIN_NORMAL, FLOAT32_MAX
+        if saved_cfg is not None:
+            lo, hi = max(lo, saved_cfg["min_scale"]), min(hi, saved_cfg["max_scale"])
+        if not lo <= scale <= hi:
+            raise ValueError(f"`{where}['loss_scale']` must be a finite scale in [{lo!r}, "
+                             f"{hi!r}], got {scale!r}.")
+        interval = saved_cfg["growth_interval"] if saved_cfg else 1
+        hysteresis = saved_cfg["hysteresis"] if saved_cfg else 1
+        tracker = number("growth_tracker", True)
+        hyst_left = number("hysteresis_left", True)
+        skipped = number("skipped_steps", True)
+        consecutive = number("consecutive_skips", True)
+        for key, v, top in (("growth_tracker", tracker, interval - 1),
+                            ("hysteresis_left", hyst_left, hysteresis),
+                            ("skipped_steps", skipped, _INT32_MAX),
+                            ("consecutive_skips", consecutive, skipped)):
+            if not 0 <= v <= top:
+                raise ValueError(f"`{where}[{key!r}]` must be an int in [0, {top}], got {v!r}.")
+        last = state["last_finite"]
+        if isinstance(last, torch.Tensor) and last.dtype == torch.bool and last.numel() == 1:
+            last = bool(last)
+        if not isinstance(last, bool) or last != (consecutive == 0):
+            raise ValueError(f"`{where}['last_finite']` must be a bool, True exactly when "
+                             f"consecutive_skips is 0, got {state['last_finite']!r}.")
+        if self.kind == "dynamic":
+            c = self.config
+            scale = min(max(scale, c.min_scale), c.max_scale)
+            tracker, hyst_left = min(tracker, c.growth_interval - 1), min(hyst_left, c.hysteresis)
+        else:
+            scale, tracker, hyst_left = self._static, 0, 1
+        return {"loss_scale": scale, "growth_tracker": tracker, "hysteresis_left": hyst_left,
+                "skipped_steps": skipped, "consecutive_skips": consecutive, "last_finite": last}
+
+    def _apply(self, values: dict[str, Any]) -> None:
         for key, dst in (("loss_scale", self._scale), ("growth_tracker", self._growth_tracker),
                          ("hysteresis_left", self._hysteresis_left),
-                         ("skipped_steps", self._skipped), ("last_finite", self._last_finite)):
-            dst.copy_(state[key].to(dst.device, dst.dtype))
+                         ("skipped_steps", self._skipped),
+                         ("consecutive_skips", self._consecutive),
+                         ("last_finite", self._last_finite)):
+            dst.fill_(values[key])
+
+
+def _scalar(value: Any, name: str, integer: bool) -> float | int:
+    """A state value (0-dim tensor or Python number) as a Python number, or ValueError."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ValueError(f"`{name}` must be a real 0-dim tensor, got {value.dtype} with "
+                             f"shape {tuple(value.shape)}.")
+        value = value.item()
+    try:
+        out = as_python_number(name, value, integer=integer)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    if not integer and math.isfinite(out) and out != to_float32(out):
+        raise ValueError(f"`{name}` must be a float32 value, got {value!r}.")
+    return out
+
+
+def _check_config(cfg: Any, kind: str, name: str) -> dict[str, Any] | None:
+    if kind != "dynamic":
+        if cfg is not None:
+            raise ValueError(f"`{name}` must be None for a {kind} scale, got {cfg!r}.")
+        return None
+    fields = ScaleConfig.__dataclass_fields__
+    if not isinstance(cfg, Mapping) or set(cfg) != set(fields):
+        raise ValueError(f"`{name}` must be a dict with keys {sorted(fields)}, got {cfg!r}.")
+    out = {}
+    for key in fields:
+        integer = key in ("growth_interval", "hysteresis")
+        try:
+            out[key] = as_python_number(key, cfg[key], integer=integer)
+        except TypeError as e:
+            raise ValueError(f"`{name}['{key}']`: {e}") from None
+        if integer and not 1 <= out[key] <= _INT32_MAX:
+            raise ValueError(f"`{name}['{key}']` must be an int >= 1, got {cfg[key]!r}.")
+    if math.isnan(out["min_scale"]) or math.isnan(out["max_scale"]):
+        raise ValueError(f"`{name}` has a NaN bound: {cfg!r}.")
+    return out
 
 
 class SharedScale:

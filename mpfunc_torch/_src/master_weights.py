@@ -2,12 +2,15 @@
 
 The inner optimizer steps float32 masters; each master has a source, the model's half
 param its gradient comes from and its value goes back to. Gradients go model -> master
-in one foreach copy, values master -> model in another.
+in one foreach copy, values master -> model in another. A ``load_state_dict`` on the
+model moves the masters with it (`follow_model_loads`), so loading pretrained weights
+after `convert_to_amp` is not undone by stale masters at the next step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,9 +18,12 @@ from torch import nn
 __all__ = [
     "make_masters",
     "keep_half_masters",
+    "swap_in_masters_",
     "copy_grads_to_masters_",
     "copy_masters_to_model_",
     "release_master_grads_",
+    "follow_model_loads",
+    "check_saved_masters",
 ]
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
@@ -26,7 +32,7 @@ Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
 def make_masters(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, nn.Parameter]:
     """One float32 master per optimizer param, keyed by ``id(param)``; call before the
     model is cast. The master aliases the float32 storage the model is about to drop:
-    exact values and no extra copy."""
+    exact values and no extra copy. A tied param is one object, so it gets one master."""
     return {id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad)
             for opt in optimizers for g in opt.param_groups for p in g["params"]}
 
@@ -39,17 +45,41 @@ def keep_half_masters(masters: dict[int, nn.Parameter],
     return {k: m for k, m in masters.items() if dtypes[k] != torch.float32}
 
 
+def swap_in_masters_(optimizer: torch.optim.Optimizer,
+                     masters: dict[int, nn.Parameter]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Puts the masters in ``optimizer.param_groups`` in place of their params; returns
+    the (param, master) pairs, in the optimizer's order."""
+    pairs = []
+    for group in optimizer.param_groups:
+        new = []
+        for p in group["params"]:
+            m = masters.get(id(p), p)
+            if m is not p:
+                pairs.append((p, m))
+            new.append(m)
+        group["params"] = new
+    return pairs
+
+
 def copy_grads_to_masters_(pairs: Pairs) -> None:
     """Model (half) grads -> float32 master grads in one foreach copy; the half grads
-    are released right after (nothing reads them again before the next backward)."""
+    are released right after (nothing reads them again before the next backward).
+
+    A sparse grad becomes a coalesced float32 sparse master grad (duplicates summed in
+    float32), which optimizers with sparse support (SGD, SparseAdam, Adagrad) step.
+    """
     model_grads, master_grads = [], []
     for p, m in pairs:
-        if p.grad is None:
+        g = p.grad
+        if g is None:
             m.grad = None
             continue
-        if m.grad is None:
+        if g.is_sparse:
+            m.grad = g.to(m.dtype).coalesce()
+            continue
+        if m.grad is None or m.grad.is_sparse:
             m.grad = torch.empty_like(m)
-        model_grads.append(p.grad)
+        model_grads.append(g)
         master_grads.append(m.grad)
     if model_grads:
         torch._foreach_copy_(master_grads, model_grads)
@@ -68,3 +98,90 @@ def release_master_grads_(pairs: Pairs) -> None:
     them from sitting beside the next forward's activations."""
     for _, m in pairs:
         m.grad = None
+
+
+def follow_model_loads(model: nn.Module, pairs: Pairs) -> list[Any]:
+    """Makes every ``load_state_dict`` on ``model`` (or any submodule) move the masters.
+
+    For each loaded param that has a master: a value of higher precision than the param
+    (the usual float32 pretrained checkpoint) becomes the master exactly; a value in the
+    param's own half dtype (a checkpoint of the converted model) replaces the master
+    only where the master does not already round to it, so loading a converted model's
+    checkpoint next to its optimizer checkpoint keeps the masters' extra bits, whatever
+    the order of the two loads. ``assign=True`` is turned into a copy, so the optimizer
+    keeps stepping the model's params. Returns the hook handles.
+    """
+    master_of = {id(p): m for p, m in pairs}
+    handles = []
+    for module in model.modules():
+        masters = {n: master_of[id(p)] for n, p in module._parameters.items()
+                   if p is not None and id(p) in master_of}
+        if not masters:
+            continue
+        follower = _LoadFollower(masters)
+        handles.append(module.register_load_state_dict_pre_hook(follower.pre))
+        handles.append(module.register_load_state_dict_post_hook(follower.post))
+    return handles
+
+
+class _LoadFollower:
+    """The load hooks of one module: a module-level class (not closures), so a converted
+    model still pickles whole (``torch.save(model)``)."""
+
+    def __init__(self, masters: dict[str, torch.Tensor]):
+        self.masters = masters  # param name -> its master
+        self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __getstate__(self):
+        return {"masters": self.masters, "seen": {}}
+
+    def pre(self, mod, state_dict, prefix, *_):
+        self.seen.clear()
+        for n in self.masters:
+            value = state_dict.get(prefix + n)
+            if isinstance(value, torch.Tensor):
+                self.seen[n] = (mod._parameters[n], value)
+
+    def post(self, mod, _incompatible):
+        for n, (param, value) in self.seen.items():
+            _follow(mod, n, param, value, self.masters[n])
+        self.seen.clear()
+
+
+@torch.no_grad()
+def _follow(module: nn.Module, name: str, param: torch.Tensor, value: torch.Tensor,
+            master: torch.Tensor) -> None:
+    current = module._parameters[name]
+    if current is not param:  # load_state_dict(assign=True) swapped the param object
+        if current is not None and current.shape == param.shape:
+            param.copy_(current)
+        module._parameters[name] = param
+    if value.shape != master.shape:
+        return  # torch reports the size mismatch and raises
+    if value.dtype == param.dtype:
+        keep = master.to(param.dtype) == param
+        master.copy_(torch.where(keep, master, param.to(master.dtype)))
+    else:
+        master.copy_(value)
+
+
+def check_saved_masters(saved: Any, pairs: Pairs, where: str) -> list[torch.Tensor]:
+    """Validates checkpointed masters against ``pairs`` (count, float32 dtype, shape,
+    finite values) without changing anything; returns them as a list."""
+    saved = list(saved) if saved else []
+    if len(saved) != len(pairs):
+        raise ValueError(f"`{where}` has {len(saved)} master weights, this optimizer "
+                         f"{len(pairs)}.")
+    for i, (t, (_, m)) in enumerate(zip(saved, pairs)):
+        name = f"{where}[{i}]"
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"`{name}` must be a tensor, got {type(t).__name__}.")
+        if t.dtype != m.dtype or t.shape != m.shape:
+            raise ValueError(f"`{name}` must be {m.dtype} with shape {tuple(m.shape)} (a "
+                             f"master weight), got {t.dtype} with shape {tuple(t.shape)}.")
+    finite = [torch.isfinite(t).all() for t in saved]
+    if finite and not bool(torch.stack([f.cpu() for f in finite]).all()):
+        bad = next(i for i, f in enumerate(finite) if not bool(f))
+        raise ValueError(f"`{where}[{bad}]` holds inf/NaN values; a master weight must be "
+                         "finite.")
+    return saved

@@ -1,49 +1,123 @@
-"""The model and loss wrappers of `convert_to_amp`, and the model cast of the half modes."""
+"""The model and loss wrappers of `convert_to_amp`, and the model cast of the half modes.
+
+Conversion happens on the user's module itself: its params are cast (half modes) and
+its ``forward`` is replaced by one that runs in the mode's precision (input cast,
+``torch.autocast`` and apex O1's fp32 list, output cast), as ``accelerate`` does. So
+the precision holds wherever the module is called from: through the returned
+`AmpModel`, directly, or from its own methods such as HuggingFace's ``generate``.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import copy
+import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src.autocast import Fp32Functions
 
-__all__ = ["AmpModel", "AmpCriterion", "cast_model", "DTYPES", "HALF"]
+__all__ = [
+    "AmpModel",
+    "AmpCriterion",
+    "cast_model",
+    "cast_floats",
+    "is_norm_module",
+    "refuse_converted_model",
+    "refuse_data_parallel_wrapper",
+    "DTYPES",
+    "HALF",
+]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 HALF = (torch.float16, torch.bfloat16)
 
 
-def _norm_types() -> tuple[type, ...]:
-    types = [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm,
-             nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
-             nn.LocalResponseNorm]
-    if hasattr(nn, "RMSNorm"):
-        types.append(nn.RMSNorm)
-    return tuple(types)
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with its floating tensors cast to ``dtype``, containers kept.
+
+    Containers are whatever ``torch.utils._pytree`` knows: tuples, lists, dicts,
+    ``OrderedDict``, namedtuples, and the types registered with it, such as HuggingFace's
+    ``ModelOutput``. A dataclass that is not registered is copied with its fields cast.
+    Anything else (a HuggingFace ``Cache``, a string) is returned as it is.
+    """
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            new = copy.copy(x)
+            for f in dataclasses.fields(x):
+                object.__setattr__(new, f.name, cast_floats(getattr(x, f.name), dtype))
+            return new
+        return x
+
+    return tree_map(leaf, tree)
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(fn, x) for x in obj))
-    if isinstance(obj, list | tuple):
-        return type(obj)(_map_tensors(fn, x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(fn, v) for k, v in obj.items()}
-    return obj
+class _AmpForward:
+    """A converted module's ``forward``: the original one, in the mode's precision.
+
+    A plain object rather than a bound method, so the module still pickles
+    (``torch.save(model)``) and deep-copies with it.
+    """
+
+    def __init__(self, module: nn.Module, plan: AmpPlan, device_type: str):
+        self.module = module
+        self.original = vars(module).get("forward")  # an instance-level forward, if any
+        self.device_type = device_type
+        half_model = plan.cast_model_type in ("float16", "bfloat16")
+        self.input_dtype = DTYPES[plan.cast_model_type] if half_model else None
+        out = plan.cast_model_outputs
+        self.output_dtype = DTYPES[out] if out else None
+        self.autocast_dtype = DTYPES[plan.autocast_dtype] if plan.autocast_dtype else None
+        self.fp32_functions = plan.apex_fp32_functions
+
+    @staticmethod
+    def needed(plan: AmpPlan) -> bool:
+        return plan.enabled and bool(
+            plan.cast_model_type in ("float16", "bfloat16") or plan.cast_model_outputs
+            or plan.autocast_dtype
+        )
+
+    def _run(self, args, kwargs):
+        if self.original is not None:
+            return self.original(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if self.input_dtype is not None:
+            args, kwargs = cast_floats((args, kwargs), self.input_dtype)
+        # Plain nested `with` statements: dynamo traces them into one graph.
+        if self.autocast_dtype is None:
+            out = self._run(args, kwargs)
+        elif self.fp32_functions:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype), \
+                    Fp32Functions(self.device_type):
+                out = self._run(args, kwargs)
+        else:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype):
+                out = self._run(args, kwargs)
+        if self.output_dtype is not None:
+            out = cast_floats(out, self.output_dtype)
+        return out
 
 
-def _caster(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+def _uncompiled(module: nn.Module) -> nn.Module:
+    """The module inside ``torch.compile(module)``: converting it puts the casts and
+    autocast regions into the compiled graph."""
+    while "_orig_mod" in module._modules:
+        from torch._dynamo.eval_frame import OptimizedModule
 
-    return cast
+        if not isinstance(module, OptimizedModule):
+            break
+        module = module._modules["_orig_mod"]
+    return module
 
 
 class AmpModel(nn.Module):
@@ -51,43 +125,62 @@ class AmpModel(nn.Module):
 
     Floating inputs are cast to the model's dtype (half-precision models), the forward
     runs under ``torch.autocast`` (and apex O1's fp32 list) when the mode says so, and
-    floating outputs are cast as the mode says. ``state_dict`` and ``load_state_dict``
-    use the wrapped module's own keys, so checkpoints load into the unwrapped model.
+    floating outputs are cast as the mode says; containers such as HuggingFace's
+    ``ModelOutput`` keep their type. The wrapped module is converted in place, so its own
+    methods (``generate``) run in the same precision.
+
+    Attributes the wrapper does not have are the wrapped module's (``model.config``,
+    ``model.generate(...)``, ``model.save_pretrained(...)``), and setting one the wrapped
+    module has sets it there. ``state_dict`` and ``load_state_dict`` use the wrapped
+    module's own keys, so checkpoints load into the unwrapped model.
 
     Examples:
       >>> import torch, mpfunc_torch
       >>> net = torch.nn.Linear(4, 2)
       >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
       >>> model, opt, _ = mpfunc_torch.convert_to_amp(net, opt, mode="bf16")
-      >>> model(torch.randn(3, 4)).dtype
-      torch.bfloat16
+      >>> model(torch.randn(3, 4)).dtype, model.in_features
+      (torch.bfloat16, 4)
     """
 
     def __init__(self, module: nn.Module, plan: AmpPlan, device_type: str):
         super().__init__()
         self.module = module
         self.plan = plan
-        self.device_type = device_type
-        half_model = plan.enabled and plan.cast_model_type in ("float16", "bfloat16")
-        self._input_cast = _caster(DTYPES[plan.cast_model_type]) if half_model else None
-        out = plan.cast_model_outputs if plan.enabled else None
-        self._output_cast = _caster(DTYPES[out]) if out else None
-        self._fp32_functions = Fp32Functions(device_type) if plan.apex_fp32_functions else None
+        if _AmpForward.needed(plan):
+            target = _uncompiled(module)
+            target.forward = _AmpForward(target, plan, device_type)
 
     def forward(self, *args, **kwargs):
-        if self._input_cast is not None:
-            args, kwargs = _map_tensors(self._input_cast, (args, kwargs))
-        with contextlib.ExitStack() as stack:
-            if self.plan.enabled and self.plan.autocast_dtype is not None:
-                stack.enter_context(
-                    torch.autocast(self.device_type, dtype=DTYPES[self.plan.autocast_dtype])
-                )
-            if self._fp32_functions is not None:
-                stack.enter_context(self._fp32_functions)
-            out = self.module(*args, **kwargs)
-        if self._output_cast is not None:
-            out = _map_tensors(self._output_cast, out)
-        return out
+        return self.module(*args, **kwargs)
+
+    def _wrapped(self) -> nn.Module | None:
+        return self.__dict__.get("_modules", {}).get("module")
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self._wrapped()
+            if inner is None:
+                raise
+        return getattr(inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        inner = self._wrapped()
+        if (inner is not None and not self._is_own(name) and hasattr(inner, name)):
+            setattr(inner, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _is_own(self, name: str) -> bool:
+        d = self.__dict__
+        return (name in d or hasattr(type(self), name) or name in d["_parameters"]
+                or name in d["_buffers"] or name in d["_modules"])
+
+    def __dir__(self):
+        inner = self._wrapped()
+        return sorted(set(super().__dir__()) | set(dir(inner) if inner is not None else ()))
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
@@ -105,42 +198,136 @@ class AmpCriterion(nn.Module):
             raise TypeError(f"`criterion` must be callable, got {type(criterion).__name__}.")
         self.criterion = criterion
         self.device_type = device_type
-        self._cast = _caster(torch.float32)
 
     def forward(self, *args, **kwargs):
-        args, kwargs = _map_tensors(self._cast, (args, kwargs))
+        args, kwargs = cast_floats((args, kwargs), torch.float32)
         with torch.autocast(self.device_type, enabled=False):
             return self.criterion(*args, **kwargs)
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool) -> None:
-    """Casts ``model``'s floating params and buffers to ``dtype`` in place; with
-    ``keep_norm_fp32`` normalisation layers stay float32 and compute in float32."""
-    norms = _norm_types()
+# ---------------------------------------------------------------------------------------
+# Which layers are norms, and the model cast of the half modes.
+
+def _torch_norm_types() -> tuple[type, ...]:
+    types_ = [nn.modules.batchnorm._NormBase, nn.SyncBatchNorm, nn.LayerNorm, nn.GroupNorm,
+              nn.LocalResponseNorm]
+    if hasattr(nn, "RMSNorm"):
+        types_.append(nn.RMSNorm)
+    return tuple(types_)
+
+
+_TORCH_NORMS = _torch_norm_types()
+# A class name ending in "Norm", optionally with a size suffix or "Gated": LayerNorm,
+# LlamaRMSNorm, T5LayerNorm, FrozenBatchNorm2d, GroupNorm32, MambaRMSNormGated. Not
+# Normal, Normalize, or a model named NormFormer (a match keeps the whole subtree fp32).
+_NORM_NAME = re.compile(r"Norm(\d+d?)?(Gated)?$")
+
+
+def is_norm_module(name: str, module: nn.Module) -> bool:
+    """Default test for "normalisation layer" (apex O2, ``keep_batchnorm_fp32``).
+
+    True for torch's norm layers (batch, instance, layer, group, local-response, RMS
+    norms and their subclasses) and for any module whose class, or a base class, is
+    named ``*Norm``, optionally followed by a size (``*Norm2d``, ``*Norm32``) or
+    ``Gated``: HuggingFace's ``LlamaRMSNorm`` and ``T5LayerNorm``, timm's ``LayerNorm2d``,
+    ``FrozenBatchNorm2d``, and so on (not ``Normal``, ``Normalize`` or ``NormFormer``). Pass your own ``is_norm(name, module)`` to
+    `convert_to_amp` to change it; ``name`` is the module's qualified name in the model.
+
+    Examples:
+      >>> import torch
+      >>> class LlamaRMSNorm(torch.nn.Module): ...
+      >>> is_norm_module("model.norm", LlamaRMSNorm()), is_norm_module("fc", torch.nn.Linear(2, 2))
+      (True, False)
+    """
+    del name
+    if isinstance(module, _TORCH_NORMS):
+        return True
+    return any(_NORM_NAME.search(c.__name__) for c in type(module).__mro__)
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool,
+               is_norm: Callable[[str, nn.Module], bool] = is_norm_module) -> None:
+    """Casts ``model``'s floating params and buffers to ``dtype`` in place. With
+    ``keep_norm_fp32``, every module ``is_norm`` selects stays float32 with everything
+    inside it, computes in float32 and returns ``dtype``."""
+    norms: list[nn.Module] = []
+    inside_norm: set[int] = set()
     with torch.no_grad():
-        for module in model.modules():
-            if keep_norm_fp32 and isinstance(module, norms):
+        for name, module in model.named_modules():  # parents before children
+            if id(module) in inside_norm:
+                continue
+            if keep_norm_fp32 and is_norm(name, module):
+                norms.append(module)
+                inside_norm.update(id(m) for m in module.modules())
                 continue
             for p in module.parameters(recurse=False):
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
-            for name, b in module.named_buffers(recurse=False):
+            for key, b in module.named_buffers(recurse=False):
                 if b is not None and b.is_floating_point():
-                    module._buffers[name] = b.to(dtype)
-    if keep_norm_fp32:
-        for module in model.modules():
-            if isinstance(module, norms):
-                module.register_forward_pre_hook(_norm_pre_hook)
-                module.register_forward_hook(_norm_post_hook(dtype))
+                    module._buffers[key] = b.to(dtype)
+    for module in norms:
+        module.register_forward_pre_hook(_norm_pre_hook, with_kwargs=True)
+        module.register_forward_hook(_norm_post_hook(dtype))
 
 
-def _norm_pre_hook(module, args):
+def _norm_pre_hook(module, args, kwargs):
     # Normalisation runs in float32: its params are float32 and so is its computation.
-    return _map_tensors(_caster(torch.float32), args)
+    return cast_floats((args, kwargs), torch.float32)
 
 
 def _norm_post_hook(dtype):
     def hook(module, args, output):
-        return _map_tensors(_caster(dtype), output)
+        return cast_floats(output, dtype)
 
     return hook
+
+
+def _data_parallel_types() -> tuple[type, ...]:
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed import fsdp
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = [DistributedDataParallel, fsdp.FullyShardedDataParallel]
+    if hasattr(fsdp, "FSDPModule"):  # fully_shard (FSDP2)
+        found.append(fsdp.FSDPModule)
+    return tuple(found)
+
+
+def refuse_data_parallel_wrapper(model: nn.Module, plan: AmpPlan) -> None:
+    """Casting params after DDP/FSDP wrapped the model breaks their gradient hooks and
+    buckets silently (DDP stops averaging), so that order is an error."""
+    wrappers = _data_parallel_types()
+    mode = plan.mode + (f" {plan.opt_level}" if plan.opt_level else "")
+    for name, module in model.named_modules():
+        if not (wrappers and isinstance(module, wrappers)):
+            continue
+        where = f"`model.{name}`" if name else "`model`"
+        problem = (f"{where} is a {type(module).__name__}, and mode {mode!r} would cast its "
+                   f"params to {plan.cast_model_type} after it registered its gradient hooks")
+        if "DistributedDataParallel" in type(module).__name__:
+            raise ValueError(
+                f"{problem}, which silently stops gradient averaging. Convert first, then "
+                "wrap: `model, optimizer, criterion = convert_to_amp(net, optimizer, "
+                "criterion, ...)`, then `model = DistributedDataParallel(model)`."
+            )
+        raise ValueError(
+            f"{problem} and sharded them. FSDP keeps its own dtypes: give it a "
+            "MixedPrecisionPolicy (fully_shard(..., mp_policy=...)) or "
+            "FSDP(mixed_precision=...), or use a mode that keeps float32 params (torch, "
+            "bf16, apex O1)."
+        )
+
+
+def refuse_converted_model(model: nn.Module) -> None:
+    """A model converted twice would cast and autocast twice; say so instead."""
+    for name, module in model.named_modules():
+        if isinstance(module, AmpModel) or isinstance(vars(module).get("forward"),
+                                                       _AmpForward):
+            where = f"`model.{name}`" if name else "`model`"
+            raise ValueError(
+                f"{where} was already converted by convert_to_amp; pass the original "
+                "float32 model once (to change modes, rebuild it or load its float32 "
+                "weights into a fresh one)."
+            )

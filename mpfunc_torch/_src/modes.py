@@ -12,8 +12,21 @@ from torch import nn
 from _mpfunc_common.amp_config import resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc_torch._src.distributed import normalize_groups
-from mpfunc_torch._src.master_weights import keep_half_masters, make_masters
-from mpfunc_torch._src.model import DTYPES, HALF, AmpCriterion, AmpModel, cast_model
+from mpfunc_torch._src.master_weights import (
+    follow_model_loads,
+    keep_half_masters,
+    make_masters,
+)
+from mpfunc_torch._src.model import (
+    DTYPES,
+    HALF,
+    AmpCriterion,
+    AmpModel,
+    cast_model,
+    is_norm_module,
+    refuse_converted_model,
+    refuse_data_parallel_wrapper,
+)
 from mpfunc_torch._src.optimizer import AmpOptimizer
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
@@ -28,21 +41,37 @@ class AMP_TYPE(str, enum.Enum):  # noqa: N801 - the name users know from Colossa
     BF16 = "bf16"
 
 
-def _device_of(model: nn.Module, requested: str | None) -> torch.device:
+def _device_of(model: nn.Module, requested: Any) -> torch.device:
     params = list(model.parameters())
     if not params:
         raise ValueError("`model` has no parameters.")
     device = params[0].device
-    if requested is not None:
-        if requested not in ("cpu", "cuda"):
-            raise ValueError(f"`device` must be 'cpu', 'cuda' or None, got {requested!r}.")
-        if requested == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("`device='cuda'` was requested but CUDA is not available "
-                               "(this torch build or machine has no GPU); use device='cpu'.")
-        if device.type != requested:
-            raise ValueError(f"`device={requested!r}` but the model's params are on "
-                             f"{device}; move the model first (model.to({requested!r})).")
+    if requested is None:
+        return device
+    try:
+        req = torch.device(requested)
+    except (RuntimeError, TypeError):
+        req = None
+    if req is None or req.type not in ("cpu", "cuda"):
+        raise ValueError("`device` must be 'cpu', 'cuda' (or 'cuda:N', or a torch.device of "
+                         f"those) or None, got {requested!r}.")
+    if req.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"`device={requested!r}` was requested but CUDA is not available "
+                           "(this torch build or machine has no GPU); use device='cpu'.")
+    if device.type != req.type or (req.index is not None and device.index != req.index):
+        raise ValueError(f"`device={requested!r}` but the model's params are on {device}; "
+                         f"move the model first (model.to({str(req)!r})).")
     return device
+
+
+def _check_optimizer_params(model: nn.Module, optimizers) -> None:
+    model_ids = {id(p) for p in model.parameters()}
+    if not any(id(p) in model_ids for opt in optimizers for g in opt.param_groups
+               for p in g["params"]):
+        raise ValueError(
+            "`optimizer` holds none of `model`'s parameters, so training would never change "
+            "the model. Build the optimizer over this model's parameters "
+            "(torch.optim.X(model.parameters(), ...)), or convert the model it belongs to.")
 
 
 def _refuse_broken_fused_sgd(optimizers, masters) -> None:
@@ -72,7 +101,8 @@ def convert_to_amp(
     *,
     mixed_precision: str | MixedPrecisionConfig | None = None,
     process_group: Any = None,
-    device: str | None = None,
+    device: str | torch.device | None = None,
+    is_norm: Callable[[str, nn.Module], bool] | None = None,
     **config: Any,
 ) -> tuple[AmpModel, AmpOptimizer, AmpCriterion | None]:
     """Converts a model, its optimizer and its loss to mixed precision.
@@ -121,7 +151,12 @@ def convert_to_amp(
         pipeline groups): ``found_inf`` is MAX-all-reduced over each, so all their ranks
         skip or step together. None: no reduction (with plain DDP the gradients are
         already identical on every rank).
-      device: ``"cpu"`` or ``"cuda"`` to assert where the model runs; None = its params'.
+      device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``, to assert where
+        the model runs; None = its params'.
+      is_norm: ``(qualified_name, module) -> bool`` choosing the normalisation layers
+        that stay float32 where the mode keeps norms in float32 (apex O2,
+        ``keep_batchnorm_fp32=True``); default `is_norm_module` (torch's norms and
+        classes named ``*Norm``, such as HuggingFace's ``LlamaRMSNorm``).
       **config: the mode's keys (above).
 
     Returns:
@@ -130,8 +165,10 @@ def convert_to_amp(
 
     Raises:
       ValueError: unknown mode, opt level or config key (the message lists the valid
-        ones), inconsistent config, a half-precision model where float32 is needed, or an
-        optimizer that already has state.
+        ones), a value out of range (named as you spelled the key), inconsistent config,
+        a half-precision model where float32 is needed, an optimizer that already has
+        state, or one that holds none of the model's params.
+      TypeError: a value or ``process_group`` of the wrong type.
       RuntimeError: ``device="cuda"`` without CUDA.
 
     Examples:
@@ -153,10 +190,22 @@ def convert_to_amp(
     if not optimizers:
         raise ValueError("`optimizer` is an empty list.")
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
+    refuse_converted_model(model)
+    if is_norm is not None:
+        if not callable(is_norm):
+            raise TypeError("`is_norm` must be a callable (name, module) -> bool, got "
+                            f"{type(is_norm).__name__}.")
+        if not (plan.enabled and plan.keep_norm_fp32):
+            raise ValueError(
+                "`is_norm` chooses the layers that stay float32, but this mode keeps no "
+                f"layer in float32 ({plan.describe()}); it applies to apex O2 or "
+                "keep_batchnorm_fp32=True. Remove it, or choose such a mode."
+            )
     if len(optimizers) > 1 and plan.num_losses > 1:
         raise ValueError("`num_losses > 1` with several optimizers is not supported; use "
                          "one optimizer with per-loss scales, or one shared scale.")
     dev = _device_of(model, device)
+    _check_optimizer_params(model, optimizers)
     groups = normalize_groups(process_group)
     half = [n for n, p in model.named_parameters() if p.dtype in HALF]
     if half and plan.enabled and plan.cast_model_type in (None, "float32"):
@@ -175,12 +224,14 @@ def convert_to_amp(
     masters: dict[int, torch.Tensor] | None = None
     if plan.enabled and plan.cast_model_type is not None:
         target = DTYPES[plan.cast_model_type]
+        if target in HALF:
+            refuse_data_parallel_wrapper(model, plan)
         if plan.master_weights:
             if any(len(opt.state) > 0 for opt in optimizers):
                 raise ValueError("`optimizer` already has state; convert it to master "
                                  "weights before its first step.")
             masters = make_masters(optimizers)
-        cast_model(model, target, plan.keep_norm_fp32)
+        cast_model(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
         if masters is not None:
             masters = keep_half_masters(masters, optimizers)
     _refuse_broken_fused_sgd(optimizers, masters)
@@ -196,6 +247,9 @@ def convert_to_amp(
                      shared=shared)
         for opt in optimizers[1:]
     ]
+    pairs = [pair for opt in amp_opts for pair in opt._pairs]
+    if pairs:
+        amp_model._master_hooks = follow_model_loads(model, pairs)
     amp_crit = AmpCriterion(criterion, dev.type) if criterion is not None else None
     out_opt = amp_opts if isinstance(optimizer, list | tuple) else amp_opts[0]
     return amp_model, out_opt, amp_crit

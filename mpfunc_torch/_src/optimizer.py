@@ -3,23 +3,33 @@ around a torch optimizer."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from _mpfunc_common.amp_config import AmpPlan
-from mpfunc_torch._src import fused
+from mpfunc_torch._src import checkpoint, fused
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
+from mpfunc_torch._src.grads import (
+    add_back_unscaled_,
+    check_,
+    coalesce_sparse_,
+    grads_of,
+    set_aside_,
+)
 from mpfunc_torch._src.loss_scale import LossScaler, SharedScale
 from mpfunc_torch._src.master_weights import (
     copy_grads_to_masters_,
     copy_masters_to_model_,
     release_master_grads_,
+    swap_in_masters_,
 )
 
 __all__ = ["AmpOptimizer"]
 
 _READY, _BACKWARD, _UNSCALED = "ready", "backward", "unscaled"
+_profile_hook_step = torch.optim.Optimizer.profile_hook_step
 
 
 def _mark_step_called(optimizer: torch.optim.Optimizer) -> None:
@@ -36,8 +46,9 @@ class AmpOptimizer(torch.optim.Optimizer):
     """The wrapped optimizer: loss scaling, exact skips, master weights, inf-check reduction.
 
     It keeps the torch optimizer interface (``param_groups``, ``state``, ``zero_grad``,
-    ``torch.optim.lr_scheduler`` works on it) and adds `backward`, `scale_loss`,
-    `unscale_`, `clip_grad_norm`, `loss_scale`, `skipped_steps` and `scale_metrics`.
+    ``torch.optim.lr_scheduler`` and optimizer hooks work on it) and adds `backward`,
+    `scale_loss`, `unscale_`, `clip_grad_norm`, `loss_scale`, `skipped_steps` and
+    `scale_metrics`.
 
     A step whose gradients hold an inf/NaN (on any rank of ``process_group``) is skipped:
     params, master weights and optimizer state stay exactly as they were, and the loss
@@ -45,11 +56,15 @@ class AmpOptimizer(torch.optim.Optimizer):
     ``fused=True``) the skip happens inside the kernel and no step syncs with the host;
     otherwise `step` reads one flag from the device (as ``torch.amp.GradScaler`` does).
 
-    Use `backward` (it scales) and `step`; `step` returns a 0-dim bool tensor that says
-    whether the step was taken (reading it syncs). With master weights, the model's
-    half-precision ``.grad`` are released once copied into the float32 master grads
-    (at `unscale_`), and those are released after `step`: read gradients between
-    `unscale_` and `step`, on ``optimizer.param_groups``' params.
+    Use `backward` (it scales) and `step`, or, as with GradScaler,
+    ``opt.scale_loss(loss).backward()`` then `step`. `step` returns a 0-dim bool tensor
+    that says whether the step was taken (reading it syncs). Step hooks registered on
+    this optimizer (``register_step_pre_hook``/``register_step_post_hook``, and the
+    global ones) fire around every `step` call, taken or skipped: telling which would
+    cost a host sync; read the returned flag or ``scale_metrics()["last_finite"]``.
+    With master weights, the model's half-precision ``.grad`` are released once copied
+    into the float32 master grads (at `unscale_`), and those are released after `step`:
+    read gradients between `unscale_` and `step`, on ``optimizer.param_groups``' params.
 
     Examples:
       >>> import torch, mpfunc_torch
@@ -58,7 +73,7 @@ class AmpOptimizer(torch.optim.Optimizer):
       >>> model, opt, crit = mpfunc_torch.convert_to_amp(
       ...     net, opt, torch.nn.MSELoss(), mode="torch", init_scale=1024.0)
       >>> loss = crit(model(torch.randn(8, 4)), torch.randn(8, 1))
-      >>> opt.backward(loss)
+      >>> opt.scale_loss(loss).backward()  # or opt.backward(loss)
       >>> bool(opt.step())
       True
       >>> opt.scale_metrics(as_python=True)["loss_scale"]
@@ -76,23 +91,18 @@ class AmpOptimizer(torch.optim.Optimizer):
         shared: SharedScale | None = None,
     ):
         # Deliberately not calling Optimizer.__init__: param_groups/state/defaults are
-        # the inner optimizer's own (see the properties below).
+        # the inner optimizer's own (see the properties below). The hook registries are
+        # this wrapper's own (OrderedDicts, as torch's handles need).
         self.optimizer = optimizer
         self.plan = plan
         self._enabled = plan.enabled
         self._groups = process_groups
         self._device = device
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        for kind in ("step", "state_dict", "load_state_dict"):
+            for when in ("pre", "post"):
+                setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())
         n = plan.num_losses if plan.enabled else 1
-        if not plan.enabled:
-            kinds = ["none"]
-        else:
-            kinds = [plan.scale_kind] * n
+        kinds = [plan.scale_kind] * n if plan.enabled else ["none"]
         if shared is None:
             shared = SharedScale(
                 [LossScaler(k, plan.scale_config if k == "dynamic" else None,
@@ -103,30 +113,30 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._scalers = shared.scalers
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._stage = _READY
+        self._last = "init"  # the last call that ended a step: for error messages
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._found_inf_per_loss = [torch.zeros((), dtype=torch.float32, device=device)
                                     for _ in range(n)]
-        self._grads_unscaled = False  # set once per-loss unscaling happened in backward
+        self._grads_unscaled = False  # set once per-loss unscaling happened (num_losses > 1)
+        self._pending: tuple[int, list] | None = None  # (loss_id, grads set aside)
         self.num_zeros_in_grad: torch.Tensor | None = None
         self.grad_norm: torch.Tensor | None = None
         # Owned params are what the inner optimizer steps (float32 masters where there
         # are master weights); each has a source, the model param its gradient comes from.
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if masters:
-            for group in optimizer.param_groups:
-                new = []
-                for p in group["params"]:
-                    m = masters.get(id(p), p)
-                    if m is not p:
-                        self._pairs.append((p, m))
-                    new.append(m)
-                group["params"] = new
+        self._pairs = swap_in_masters_(optimizer, masters or {})
+        # The fused optimizer may unscale inside its kernel: one scale, no master weights,
+        # nothing to do between unscaling and the step, and a scale that cannot go below
+        # 1 (the kernel would not see an overflow created by unscaling).
+        self._kernel_unscales = (
+            self._fused and not self._pairs and n == 1 and not plan.clip_grad
+            and not plan.log_num_zeros_in_grad and not self._scalers[0].may_go_below_one)
         self._index_params()
 
     def _index_params(self) -> None:
         source_of = {id(m): p for p, m in self._pairs}
         self._owned = [q for g in self.optimizer.param_groups for q in g["params"]]
         self._sources = [source_of.get(id(q), q) for q in self._owned]
+        self._sgd_first = fused.is_fused_sgd_with_momentum(self.optimizer)
 
     # -- the torch optimizer interface ---------------------------------------------------
     @property
@@ -180,8 +190,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         return self._scalers[0].skipped_steps
 
     def scale_metrics(self, as_python: bool = False, loss_id: int = 0) -> dict[str, Any]:
-        """``loss_scale``, ``skipped_steps``, ``last_finite`` (and ``num_zeros_in_grad``
-        when logged): device tensors, or Python numbers with ``as_python=True``."""
+        """``loss_scale``, ``skipped_steps``, ``consecutive_skips``, ``last_finite`` (and
+        ``num_zeros_in_grad`` when logged): device tensors, or Python numbers with
+        ``as_python=True``."""
         out = self._scaler(loss_id).metrics(as_python)
         if self.num_zeros_in_grad is not None:
             z = self.num_zeros_in_grad
@@ -189,8 +200,27 @@ class AmpOptimizer(torch.optim.Optimizer):
         return out
 
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
-        """``loss`` in float32 times the current scale (for ``torch.autograd.grad``)."""
+        """``loss`` in float32 times the current scale.
+
+        As with ``GradScaler.scale``: the gradients that follow (``.backward()`` on the
+        result, or ``torch.autograd.grad``) are scaled, and `step` unscales them. With
+        ``num_losses > 1`` the gradients accumulated so far are set aside until the next
+        `backward`, `scale_loss`, `unscale_` or `step`, which unscales this loss's
+        gradients with its own scale and adds them back.
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"`loss` must be a tensor, got {type(loss).__name__}.")
         scaler = self._scaler(loss_id)
+        if self._stage == _UNSCALED:
+            raise RuntimeError("backward()/scale_loss() after unscale_()/clip_grad_norm() "
+                               "and before step(): gradients of one step must share one "
+                               "scale.")
+        if len(self._scalers) > 1:
+            self._finish_pending()
+            self._pending = (loss_id, set_aside_(self._owned, self._sources))
+        for member in self._shared.members:  # one backward feeds every optimizer sharing
+            if member._stage == _READY:      # this scale (e.g. two models, two losses)
+                member._stage = _BACKWARD
         if not self._enabled or scaler.kind == "none":
             return loss
         return loss.float() * scaler.scale
@@ -202,52 +232,34 @@ class AmpOptimizer(torch.optim.Optimizer):
         losses). With ``num_losses > 1`` each loss has its own scale: its gradients are
         unscaled right after its backward and accumulated (in float32 for master weights).
         """
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"`loss` must be a tensor, got {type(loss).__name__}.")
-        if self._stage == _UNSCALED:
-            raise RuntimeError("backward() after unscale_()/clip_grad_norm() and before "
-                               "step(): gradients of one step must share one scale.")
-        scaled = self.scale_loss(loss, loss_id)
-        if len(self._scalers) == 1:
-            scaled.backward(**kwargs)
-        else:
-            self._backward_separate_scale(scaled, loss_id, kwargs)
-        for member in self._shared.members:  # one backward feeds every optimizer sharing
-            if member._stage == _READY:      # this scale (e.g. two models, two losses)
-                member._stage = _BACKWARD
+        self.scale_loss(loss, loss_id).backward(**kwargs)
+        self._finish_pending()
 
-    def _backward_separate_scale(self, scaled, loss_id, kwargs):
-        # Gradients of earlier losses are already unscaled: set them aside, back-propagate
-        # this loss alone, unscale it with its own scale (in float32 for master weights),
-        # then add the two.
-        stash = [q.grad for q in self._owned]
-        for q, src in zip(self._owned, self._sources):
-            q.grad = None
-            src.grad = None
-        scaled.backward(**kwargs)
-        fresh = []
-        for q, src in zip(self._owned, self._sources):
-            g = src.grad
-            fresh.append(None if g is None else g if src is q else g.to(q.dtype))
-            if src is not q:
-                src.grad = None
-        fused.unscale_and_check_([g for g in fresh if g is not None],
-                                 self._found_inf_per_loss[loss_id],
-                                 self._scalers[loss_id].inv_scale())
-        for q, g, old in zip(self._owned, fresh, stash):
-            q.grad = old if g is None else g if old is None else g + old
-        self._grads_unscaled = True
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            loss_id, stash = self._pending
+            self._pending = None
+            add_back_unscaled_(self._owned, self._sources, stash, self._scalers[loss_id],
+                               self._found_inf_per_loss[loss_id])
+            self._grads_unscaled = True
 
     # -- unscale / clip / step ---------------------------------------------------------
-    def _owned_grads(self) -> list[torch.Tensor]:
-        return [q.grad for q in self._owned if q.grad is not None]
+    def _not_after_backward(self, call: str) -> RuntimeError:
+        if self._last == "step":
+            return RuntimeError(
+                f"{call} called again after step() with no backward() in between: the "
+                "gradients of that step were already used (and released). Call "
+                "optimizer.backward(loss) (or scale_loss(loss).backward()) for each step.")
+        return RuntimeError(f"{call} called before backward(): call optimizer.backward(loss) "
+                            "(or optimizer.scale_loss(loss).backward()) first.")
 
     def unscale_(self) -> None:
         """Divides the gradients the optimizer owns by the scale, and checks them.
 
         Call it before inspecting or clipping gradients; `step` calls it otherwise.
         With master weights the model's half gradients are first copied into the float32
-        master gradients (one foreach copy), then unscaled there in one fused pass.
+        master gradients (one foreach copy), then unscaled there in one fused pass. Where
+        the scale can be below 1 they are checked again after unscaling (one more pass).
 
         Raises:
           RuntimeError: before any `backward`, or a second time before `step`.
@@ -255,24 +267,31 @@ class AmpOptimizer(torch.optim.Optimizer):
         if not self._enabled:
             return
         if self._stage == _READY:
-            raise RuntimeError("unscale_() called before backward(); there is nothing to "
-                               "unscale.")
+            raise self._not_after_backward("unscale_()")
         if self._stage == _UNSCALED:
             raise RuntimeError("unscale_() has already been called since the last step(); "
                                "calling it twice would unscale twice.")
+        self._finish_pending()
         found = self._found_inf
         found.zero_()
         if self._grads_unscaled:  # num_losses > 1: each backward already unscaled
+            # Re-check what step() will use: a gradient may have changed since its
+            # backward (e.g. a manual all-reduce).
+            coalesce_sparse_(self._owned)
+            check_(grads_of(self._owned), found)
+            all_reduce_found_inf_(found, self._groups)
             for f in self._found_inf_per_loss:
                 all_reduce_found_inf_(f, self._groups)
                 torch.maximum(found, f, out=found)
         else:
-            if self._pairs:
-                copy_grads_to_masters_(self._pairs)
+            copy_grads_to_masters_(self._pairs)
+            coalesce_sparse_(self._owned)
             scaler = self._scalers[0]
-            inv = scaler.inv_scale() if scaler.kind != "none" else torch.ones(
-                (), device=self._device)
-            fused.unscale_and_check_(self._owned_grads(), found, inv)
+            owned = grads_of(self._owned)
+            if scaler.kind != "none":
+                fused.unscale_and_check_(owned, found, scaler.inv_scale())
+            if scaler.kind == "none" or scaler.may_go_below_one:
+                check_(owned, found)
             all_reduce_found_inf_(found, self._groups)
             self._found_inf_per_loss[0].copy_(found)
         self._stage = _UNSCALED
@@ -281,15 +300,15 @@ class AmpOptimizer(torch.optim.Optimizer):
         """Unscales (if not yet done) and clips the gradients' global norm.
 
         The norm is over the gradients this optimizer owns on this rank (float32 masters
-        with master weights). Returns the total norm before clipping, as a device tensor;
-        it is inf/NaN on an overflow step, which `step` then skips anyway.
+        with master weights; sparse ones through their values). Returns the total norm
+        before clipping, as a device tensor; it is inf/NaN on an overflow step, which
+        `step` then skips anyway.
         """
         if self._stage != _UNSCALED:
             self.unscale_()
-        params = [q for q in self._owned if q.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
-                                              foreach=True)
+        return fused.clip_grads_(grads_of(self._owned), max_norm, norm_type)
 
+    @_profile_hook_step
     def step(self, closure=None) -> torch.Tensor:
         """Takes the optimizer step unless a gradient is inf/NaN; updates the loss scale.
 
@@ -297,7 +316,7 @@ class AmpOptimizer(torch.optim.Optimizer):
           A 0-dim bool device tensor: True if the step was taken.
 
         Raises:
-          RuntimeError: `step` before `backward`.
+          RuntimeError: `step` before `backward`, or twice for one backward.
           ValueError: a closure (not supported with loss scaling, as in GradScaler).
         """
         if closure is not None:
@@ -305,45 +324,44 @@ class AmpOptimizer(torch.optim.Optimizer):
                              "through this optimizer before step().")
         if not self._enabled:
             self.optimizer.step()
-            self._stage = _READY
+            self._stage, self._last = _READY, "step"
             return torch.ones((), dtype=torch.bool, device=self._device)
         if self._stage == _READY:
-            raise RuntimeError("step() called before backward(): call "
-                               "optimizer.backward(loss) first (it scales the loss).")
+            raise self._not_after_backward("step()")
+        self._finish_pending()
         scaler = self._scalers[0]
-        fused_scaled_path = (
-            self._fused and not self._pairs and self._stage == _BACKWARD
-            and not self._grads_unscaled and len(self._scalers) == 1
-            and not self.plan.clip_grad and not self.plan.log_num_zeros_in_grad
-        )
+        # torch's fused SGD bug (see fused.fused_sgd_first_step_pending): until the
+        # momentum buffers exist, skips are decided on the host.
+        host_skip = self._sgd_first = (
+            self._sgd_first and fused.fused_sgd_first_step_pending(self.optimizer))
         found = self._found_inf
-        if fused_scaled_path:
+        if self._kernel_unscales and self._stage == _BACKWARD and not host_skip:
             # Pass 1: check only (inv_scale 1). Pass 2: the fused optimizer unscales,
             # skips on found_inf and undoes its step count, all on the device.
             found.zero_()
-            fused.unscale_and_check_(self._owned_grads(), found,
-                                     torch.ones((), device=self._device))
+            check_(grads_of(self._owned), found)
             all_reduce_found_inf_(found, self._groups)  # the path ShardedGradScaler misses
-            self._run_fused_step(scaler.scale if scaler.kind != "none" else None, found)
-            stepped = found == 0
+            grad_scale = scaler.scale if scaler.kind != "none" else None
+            fused.step_with_found_inf_(self.optimizer, grad_scale, found)
         else:
             if self._stage != _UNSCALED:
                 self.unscale_()
             if self.plan.clip_grad:
                 self.grad_norm = self.clip_grad_norm(self.plan.clip_grad)
             if self.plan.log_num_zeros_in_grad:
-                self.num_zeros_in_grad = fused.count_zeros(self._owned_grads())
-            if self._fused:
-                self._run_fused_step(None, found)
-                stepped = found == 0
+                self.num_zeros_in_grad = fused.count_zeros(grads_of(self._owned))
+            if self._fused and not host_skip:
+                fused.step_with_found_inf_(self.optimizer, None, found)
+                copy_masters_to_model_(self._pairs)
+            elif not found.item():  # the one host read of a non-fused step
+                if self._fused:
+                    fused.step_with_found_inf_(self.optimizer, None, found)
+                else:
+                    self.optimizer.step()
                 copy_masters_to_model_(self._pairs)
             else:
-                if not found.item():  # the one host read of a non-fused step
-                    self.optimizer.step()
-                    copy_masters_to_model_(self._pairs)
-                else:
-                    _mark_step_called(self.optimizer)
-                stepped = found == 0
+                _mark_step_called(self.optimizer)
+        stepped = found == 0
         if len(self._scalers) == 1:
             if self._shared.record(found):
                 scaler.update(self._shared.take(found))
@@ -356,21 +374,12 @@ class AmpOptimizer(torch.optim.Optimizer):
             f.zero_()
         release_master_grads_(self._pairs)
         self._grads_unscaled = False
-        self._stage = _READY
+        self._stage, self._last = _READY, "step"
         return stepped
-
-    def _run_fused_step(self, grad_scale, found_inf):
-        opt = self.optimizer
-        opt.grad_scale = grad_scale
-        opt.found_inf = found_inf
-        try:
-            opt.step()
-        finally:
-            opt.grad_scale = None
-            opt.found_inf = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears model and master gradients and starts a new accumulation."""
+        self._pending = None
         params = {id(t): t for t in self._owned + self._sources}.values()
         for p in params:
             if p.grad is None:
@@ -381,6 +390,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 p.grad.detach_()
                 p.grad.zero_()
         self._stage = _READY
+        self._last = "zero_grad"
         self._grads_unscaled = False
         for f in self._found_inf_per_loss:
             f.zero_()
@@ -391,43 +401,40 @@ class AmpOptimizer(torch.optim.Optimizer):
 
         Keys: ``format`` (1), ``mode``, ``opt_level``, ``optimizer`` (the inner optimizer's
         state_dict, over the master weights when there are any), ``scalers`` (one
-        `LossScaler.state_dict` per loss: scale, growth and hysteresis trackers, skipped
-        steps) and ``master_weights`` (the float32 masters, or None).
+        `LossScaler.state_dict` per loss: scale, growth and hysteresis trackers, skip
+        counters, and the config they were saved with) and ``master_weights`` (the
+        float32 masters, or None). Loading keeps the loading optimizer's own loss-scale
+        hyperparameters (a run may resume with another ``init_scale`` or
+        ``growth_interval``, as with GradScaler) and restores the state. The
+        ``register_state_dict_pre_hook``/``post_hook`` hooks run around it.
         """
-        return {
-            "format": 1,
-            "mode": self.plan.mode,
-            "opt_level": self.plan.opt_level,
-            "optimizer": self.optimizer.state_dict(),
-            "scalers": [s.state_dict() for s in self._scalers],
-            "master_weights": [m.detach().clone() for _, m in self._pairs] or None,
-        }
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        out = checkpoint.save(self)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores `state_dict`; also writes the masters back into the model's params."""
-        required = {"format", "mode", "opt_level", "optimizer", "scalers", "master_weights"}
-        missing = sorted(required - set(state_dict))
-        if missing:
-            raise ValueError(f"`state_dict` is missing keys {missing}; was it made by "
-                             "AmpOptimizer.state_dict()?")
-        if (state_dict["mode"], state_dict["opt_level"]) != (self.plan.mode, self.plan.opt_level):
-            raise ValueError(
-                f"`state_dict` is from mode {state_dict['mode']!r} "
-                f"(opt_level {state_dict['opt_level']!r}); this optimizer runs mode "
-                f"{self.plan.mode!r} (opt_level {self.plan.opt_level!r})."
-            )
-        if len(state_dict["scalers"]) != len(self._scalers):
-            raise ValueError(f"`state_dict` has {len(state_dict['scalers'])} loss scalers, "
-                             f"this optimizer {len(self._scalers)}.")
-        masters = state_dict["master_weights"] or []
-        if len(masters) != len(self._pairs):
-            raise ValueError(f"`state_dict` has {len(masters)} master weights, this "
-                             f"optimizer {len(self._pairs)}.")
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        for s, sd in zip(self._scalers, state_dict["scalers"]):
-            s.load_state_dict(sd)
-        with torch.no_grad():
-            for (_, m), saved in zip(self._pairs, masters):
-                m.copy_(saved)
-        copy_masters_to_model_(self._pairs)
-        self._stage = _READY
+        """Restores `state_dict`, all or nothing; also writes the masters into the model.
+
+        Everything is checked before anything is written: a checkpoint of another mode,
+        a missing key, a corrupt value (a non-finite, zero or negative scale, a counter
+        out of range, a non-float32 or non-finite master, a non-finite optimizer state)
+        raises ``ValueError`` naming the key and leaves this optimizer as it was. The
+        loss-scale hyperparameters stay this optimizer's own (see `state_dict`).
+        """
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        checkpoint.load(self, state_dict)
+        self._pending = None
+        self._stage, self._last = _READY, "load_state_dict"
+        self._grads_unscaled = False
+        self._index_params()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)

@@ -1,0 +1,64 @@
+"""Gradient bookkeeping for `AmpOptimizer`: sparse coalescing and per-loss unscaling.
+
+``owned`` are the tensors the inner optimizer steps (float32 masters where there are
+master weights); ``sources[i]`` is the model param whose ``.grad`` feeds ``owned[i]``
+(the same tensor without master weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mpfunc_torch._src import fused
+
+__all__ = ["grads_of", "coalesce_sparse_", "set_aside_", "add_back_unscaled_", "check_"]
+
+
+def grads_of(owned: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [q.grad for q in owned if q.grad is not None]
+
+
+def coalesce_sparse_(owned: Sequence[torch.Tensor]) -> None:
+    """As GradScaler does: coalesce sparse grads into ``.grad``, so that unscaling
+    reaches the gradient itself (an uncoalesced tensor's coalesced values are a
+    temporary copy) and the check sees the summed duplicates."""
+    for q in owned:
+        if q.grad is not None and q.grad.is_sparse and not q.grad.is_coalesced():
+            q.grad = q.grad.coalesce()
+
+
+def check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Raises ``found_inf`` if any of ``grads`` holds an inf/NaN (no unscaling)."""
+    fused.unscale_and_check_(grads, found_inf, torch.ones((), device=found_inf.device))
+
+
+def set_aside_(owned: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list:
+    """Takes the gradients accumulated so far out of ``.grad`` and returns them."""
+    stash = [q.grad for q in owned]
+    for q, src in zip(owned, sources):
+        q.grad = None
+        src.grad = None
+    return stash
+
+
+def add_back_unscaled_(owned, sources, stash, scaler, found_inf: torch.Tensor) -> None:
+    """Unscales the gradients back-propagated since `set_aside_` with ``scaler``'s scale
+    (in the owned dtype: float32 for master weights), checks them after unscaling into
+    ``found_inf``, and adds the gradients set aside."""
+    fresh = []
+    for q, src in zip(owned, sources):
+        g = src.grad
+        if g is not None and src is not q:
+            g = g.to(q.dtype)
+            src.grad = None
+        fresh.append(g.coalesce() if g is not None and g.is_sparse else g)
+    grads = [g for g in fresh if g is not None]
+    if scaler.kind != "none":
+        fused.unscale_and_check_(grads, found_inf, scaler.inv_scale())
+    if scaler.kind == "none" or scaler.may_go_below_one:
+        check_(grads, found_inf)
+    for q, g, old in zip(owned, fresh, stash):
+        total = old if g is None else g if old is None else g + old
+        q.grad = total.coalesce() if total is not None and total.is_sparse else total

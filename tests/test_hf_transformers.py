@@ -1,0 +1,158 @@
+"""Integration: real HuggingFace models (tiny configs, random init, nothing downloaded)
+in every torch mode: train, attribute access, `generate`, `save_pretrained` round trip."""
+
+import logging
+
+import pytest
+import torch
+from torch_task import ALL_MODES, ids, is_o3
+
+import mpfunc_torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import modeling_outputs as mo  # noqa: E402
+
+logging.getLogger("transformers").setLevel(logging.ERROR)  # tiny-vocab config notices
+
+VOCAB, BATCH, SEQ = 100, 4, 16
+
+
+def build(name, seed=0):
+    torch.manual_seed(seed)
+    small = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                 num_attention_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB,
+                                      n_positions=64, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(num_key_value_heads=2, bos_token_id=0, eos_token_id=0,
+                                       **small)
+        return transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.BertConfig(num_labels=3, pad_token_id=0, **small)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def data(name):
+    g = torch.Generator().manual_seed(1)
+    ids_ = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids_ if name != "bert" else torch.randint(0, 3, (BATCH,), generator=g)
+    return ids_, labels
+
+
+def convert(net, mode, cfg):
+    opt = (torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) if is_o3(cfg)
+           else torch.optim.Adam(net.parameters(), lr=1e-2))
+    return mpfunc_torch.convert_to_amp(net, opt, mode=mode, **cfg)
+
+
+def half_model(mode, cfg):
+    return mode == "naive" or cfg.get("opt_level") in ("O2", "O3")
+
+
+def compute_dtype(mode, cfg):
+    """The dtype a Linear computes in under the mode."""
+    if mode == "bf16" or cfg.get("dtype") == "bfloat16":
+        return torch.bfloat16
+    if cfg.get("opt_level") == "O0":
+        return torch.float32
+    return torch.float16
+
+
+MODELS = ["gpt2", "llama", "bert"]
+OUTPUT_TYPES = {"gpt2": mo.CausalLMOutputWithCrossAttentions, "llama": mo.CausalLMOutputWithPast,
+                "bert": mo.SequenceClassifierOutput}
+CASES = [(m, mode, cfg) for m in MODELS for mode, cfg in ALL_MODES]
+CASE_IDS = [f"{m}-{i}" for m in MODELS for i in ids]
+
+
+@pytest.mark.parametrize("name, mode, cfg", CASES, ids=CASE_IDS)
+def test_trains_and_keeps_model_output(name, mode, cfg):
+    net = build(name)
+    before = {k: v.detach().float().clone() for k, v in net.state_dict().items()}
+    model, opt, _ = convert(net, mode, cfg)
+    x, y = data(name)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        out = model(input_ids=x, labels=y)
+        # The container survives the output cast (it used to become a plain dict).
+        assert type(out) is OUTPUT_TYPES[name], type(out)
+        assert out[0] is out.loss and out["logits"] is out.logits
+        if half_model(mode, cfg):
+            assert out.logits.dtype == torch.float32  # outputs are cast back to float32
+        opt.backward(out.loss)
+        opt.step()
+        losses.append(out.loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert min(losses[1:]) < losses[0], losses
+    moved = [k for k, v in net.state_dict().items() if not torch.equal(v.float(), before[k])]
+    assert moved, "no parameter changed"
+
+
+def norm_weights(net):
+    return {n: m.weight.dtype for n, m in net.named_modules()
+            if type(m).__name__.endswith("Norm") and getattr(m, "weight", None) is not None}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_custom_norm_classes_stay_float32_in_o2(name, level):
+    net = build(name)
+    model, _, _ = convert(net, "apex", {"opt_level": level, "verbosity": 0})
+    weights = norm_weights(net)
+    assert weights, "no norm layers found"
+    want = torch.float32 if level == "O2" else torch.float16
+    assert set(weights.values()) == {want}, weights  # LlamaRMSNorm included
+    x, y = data(name)
+    assert torch.isfinite(model(input_ids=x, labels=y).loss)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("mode, cfg", ALL_MODES, ids=ids)
+def test_generate_runs_in_the_modes_precision(name, mode, cfg):
+    net = build(name).eval()
+    model, _, _ = convert(net, mode, cfg)
+    seen = []
+    first_linear = next(m for m in net.modules() if type(m).__name__ in ("Linear", "Conv1D"))
+    first_linear.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    prompt = data(name)[0][:2, :5]
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 9) and torch.equal(out[:, :5], prompt)
+    assert seen and set(seen) == {compute_dtype(mode, cfg)}, seen
+    # Greedy decoding's first token is the argmax of the wrapped model's own forward.
+    logits = model(input_ids=prompt).logits
+    assert torch.equal(out[:, 5], logits[:, -1].argmax(-1))
+
+
+@pytest.mark.parametrize("name, mode, cfg", CASES, ids=CASE_IDS)
+def test_attributes_and_save_pretrained_round_trip(name, mode, cfg, tmp_path):
+    net = build(name)
+    model, opt, _ = convert(net, mode, cfg)
+    # Attributes the wrapper lacks are the wrapped model's.
+    assert model.config is net.config
+    assert model.device == torch.device("cpu")
+    assert model.dtype == (torch.float16 if half_model(mode, cfg) else torch.float32)
+    assert model.can_generate() == (name != "bert")
+    assert model.get_input_embeddings() is net.get_input_embeddings()
+    model.main_input_name = "input_ids"  # one the wrapped model has is set there
+    assert "main_input_name" not in vars(model) and vars(net)["main_input_name"] == "input_ids"
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        model.no_such_attribute  # noqa: B018
+    x, y = data(name)
+    opt.zero_grad()
+    opt.backward(model(input_ids=x, labels=y).loss)
+    opt.step()
+    model.save_pretrained(tmp_path)
+    cls = type(net)
+    # What is saved: the params as the model holds them (half for naive / O2 / O3).
+    default = cls.from_pretrained(tmp_path)
+    assert default.dtype == (torch.float16 if half_model(mode, cfg) else torch.float32)
+    # To train on: load in float32 and convert again; the same mode gives the same model.
+    loaded = cls.from_pretrained(tmp_path, dtype=torch.float32)
+    model2, _, _ = convert(loaded, mode, cfg)
+    for (k, a), (k2, b) in zip(net.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and a.dtype == b.dtype and torch.equal(a, b), k
+    model.eval(), model2.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, model2(input_ids=x).logits)

@@ -1,0 +1,217 @@
+"""Tests for mpfunc_torch._src.checkpoint: AmpOptimizer state dicts, resume, and an
+all-or-nothing load that rejects corrupt values."""
+
+
+import copy
+
+import pytest
+import torch
+from torch_task import batches, make_model, tiny_batch, tiny_model
+
+import mpfunc_torch
+
+
+@pytest.mark.parametrize("mode, cfg", [("naive", {"growth_interval": 3, "initial_scale": 2.0**14}),
+                                       ("torch", {"growth_interval": 3}),
+                                       ("apex", {"opt_level": "O2", "verbosity": 0})])
+def test_state_dict_resume_is_exact(mode, cfg, tmp_path):
+    data = batches(10)
+    inject = {2, 6}
+
+    def run(model, opt, crit, chunk, offset):
+        for i, (x, y) in enumerate(chunk, offset):
+            opt.zero_grad()
+            loss = crit(model(x), y) * (float("inf") if i in inject else 1.0)
+            opt.backward(loss)
+            opt.step()
+
+    def fresh():
+        net = make_model()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        return mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(), mode=mode,
+                                           **cfg)
+
+    model, opt, crit = fresh()
+    run(model, opt, crit, data[:5], 0)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ck.pt")
+    run(model, opt, crit, data[5:], 5)
+
+    model2, opt2, crit2 = fresh()
+    ck = torch.load(tmp_path / "ck.pt", weights_only=True)
+    model2.load_state_dict(ck["model"])
+    opt2.load_state_dict(ck["opt"])
+    run(model2, opt2, crit2, data[5:], 5)
+    for a, b in zip(model.module.parameters(), model2.module.parameters()):
+        assert torch.equal(a, b)
+    for (_, a), (_, b) in zip(opt._pairs, opt2._pairs):
+        assert torch.equal(a, b)
+    sd1, sd2 = opt.state_dict(), opt2.state_dict()
+    for s1, s2 in zip(sd1["scalers"], sd2["scalers"]):
+        for k in ("loss_scale", "growth_tracker", "hysteresis_left", "skipped_steps"):
+            assert torch.equal(s1[k], s2[k]), k
+    assert int(sd1["scalers"][0]["skipped_steps"]) == 2
+
+
+def test_load_state_dict_rejects_other_modes():
+    net = make_model()
+    _, opt, _ = mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                            mode="torch")
+    net2 = make_model()
+    _, opt2, _ = mpfunc_torch.convert_to_amp(net2, torch.optim.SGD(net2.parameters(), lr=0.1),
+                                             mode="naive")
+    with pytest.raises(ValueError, match="from mode 'torch'"):
+        opt2.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match="missing keys"):
+        opt.load_state_dict({"optimizer": {}})
+
+
+def _trained(mode="naive", seed=0, steps=3, inject=(), **cfg):
+    net = tiny_model(seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.MSELoss(), mode=mode,
+                                                   **cfg)
+    for i in range(steps):
+        opt.zero_grad()
+        x, y = tiny_batch(seed * 100 + i)
+        opt.backward(crit(model(x), y) * (float("inf") if i in inject else 1.0))
+        opt.step()
+    return net, opt
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _set(sd, path, value):
+    d = sd
+    for k in path[:-1]:
+        d = d[k]
+    if value is _DELETE:
+        del d[path[-1]]
+    else:
+        d[path[-1]] = value(d[path[-1]]) if callable(value) else value
+
+
+_DELETE = object()
+_S = ("scalers", 0)
+CORRUPTIONS = [
+    (_S + ("loss_scale",), torch.tensor(float("nan")), "\\['scalers'\\]\\[0\\]\\['loss_scale'\\]"),
+    (_S + ("loss_scale",), torch.tensor(0.0), "\\['loss_scale'\\]"),
+    (_S + ("loss_scale",), torch.tensor(-8.0), "\\['loss_scale'\\]"),
+    (_S + ("loss_scale",), torch.tensor(float("inf")), "\\['loss_scale'\\]"),
+    (_S + ("loss_scale",), torch.tensor(1e-40), "\\['loss_scale'\\]"),  # subnormal
+    (_S + ("growth_tracker",), torch.tensor(-5, dtype=torch.int32), "\\['growth_tracker'\\]"),
+    (_S + ("hysteresis_left",), torch.tensor(99, dtype=torch.int32), "\\['hysteresis_left'\\]"),
+    (_S + ("skipped_steps",), torch.tensor(-1, dtype=torch.int32), "\\['skipped_steps'\\]"),
+    (_S + ("consecutive_skips",), torch.tensor(7, dtype=torch.int32), "\\['consecutive_skips'\\]"),
+    (_S + ("last_finite",), torch.tensor(False), "\\['last_finite'\\]"),
+    (_S + ("growth_tracker",), _DELETE, "missing keys \\['growth_tracker'\\]"),
+    (_S + ("config",), {"init_scale": 1.0}, "\\['config'\\]"),
+    (("scalers",), [], "\\['scalers'\\]"),
+    (("master_weights", 0), lambda m: m.half(), "\\['master_weights'\\]\\[0\\]"),
+    (("master_weights", 0), lambda m: m[:1], "\\['master_weights'\\]\\[0\\]"),
+    (("master_weights", 0), lambda m: torch.full_like(m, float("nan")),
+     "\\['master_weights'\\]\\[0\\]` holds inf/NaN"),
+    (("master_weights",), None, "0 master weights"),
+    (("optimizer", "state", 0, "exp_avg"), lambda t: t * float("inf"),
+     "\\['optimizer'\\]\\['state'\\]\\[0\\]\\['exp_avg'\\]"),
+    (("optimizer", "param_groups"), lambda g: g[:0], "parameter groups"),
+    (("mode",), "torch", "from mode 'torch'"),
+    (("format",), 2, "\\['format'\\]"),
+]
+
+
+@pytest.mark.parametrize("path, value, match", CORRUPTIONS,
+                         ids=[f"{'.'.join(map(str, c[0]))}-{i}" for i, c in enumerate(CORRUPTIONS)])
+def test_a_failed_load_rejects_the_value_and_changes_nothing(path, value, match):
+    net, opt = _trained("naive", seed=0, initial_scale=2.0**10)
+    _, other = _trained("naive", seed=1, steps=5, inject=(1,), initial_scale=2.0**10)
+    ck = copy.deepcopy(other.state_dict())
+    _set(ck, path, value)
+    before = copy.deepcopy(opt.state_dict())
+    params = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(ck)
+    assert _same(before, opt.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(params, net.parameters()))
+
+
+def test_the_uncorrupted_checkpoint_loads():  # the control of the test above
+    _, opt = _trained("naive", seed=0, initial_scale=2.0**10)
+    _, other = _trained("naive", seed=1, steps=5, inject=(1,), initial_scale=2.0**10)
+    opt.load_state_dict(copy.deepcopy(other.state_dict()))
+    assert _same(opt.state_dict(), other.state_dict())
+
+
+def test_loading_with_other_scale_hyperparameters_keeps_them_and_loads_the_state():
+    # A resumed run may change init_scale or growth_interval, as GradScaler allows.
+    _, old = _trained("torch", steps=5, inject=(0,), init_scale=2.0**10, growth_interval=3)
+    saved = old.state_dict()
+    assert saved["scalers"][0]["growth_tracker"].item() == 1  # 4 clean steps, grew once
+    _, new = _trained("torch", steps=0, init_scale=2.0**16, growth_interval=5)
+    new.load_state_dict(saved)
+    m = new.scale_metrics(as_python=True)
+    assert m["loss_scale"] == 2.0**10 and m["skipped_steps"] == 1  # 2**10 / 2 * 2
+    assert new._scalers[0].config.growth_interval == 5
+    assert new.state_dict()["scalers"][0]["config"]["growth_interval"] == 5
+    x, y = tiny_batch()
+    scales = []
+    for _ in range(5):  # the tracker goes on from 1 with the new interval: grows at 5
+        new.zero_grad()
+        new.backward(torch.nn.functional.mse_loss(new.param_groups[0]["params"][0].sum()
+                                                  * x[:, :1], y))
+        new.step()
+        scales.append(new.loss_scale.item())
+    assert scales == [2.0**10] * 3 + [2.0**11] * 2
+
+
+def test_saved_state_outside_the_new_config_is_brought_inside():
+    _, old = _trained("naive", steps=5, initial_scale=2.0**10, growth_interval=6)
+    saved = old.state_dict()["scalers"][0]
+    assert saved["growth_tracker"].item() == 5 and saved["loss_scale"].item() == 2.0**10
+    assert saved["hysteresis_left"].item() == 2
+    s = mpfunc_torch.LossScaler("dynamic", _naive(growth_interval=3, max_scale=2.0**8,
+                                                  hysteresis=1))
+    s.load_state_dict(saved)
+    st = s.state_dict()
+    assert st["loss_scale"].item() == 2.0**8  # clamped to the new ceiling
+    assert st["growth_tracker"].item() == 2  # the next clean step reaches the interval
+    assert st["hysteresis_left"].item() == 1
+
+
+def _naive(**kw):
+    from _mpfunc_common.scale_config import resolve_scale_config
+
+    return resolve_scale_config("naive", init_scale=1.0, **kw)
+
+
+def test_state_dict_and_load_state_dict_hooks_fire():
+    _, opt = _trained("torch")
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("sd-pre"))
+
+    def post(o, sd):
+        calls.append("sd-post")
+        sd["extra"] = 1
+        return sd
+
+    opt.register_state_dict_post_hook(post)
+
+    def load_pre(o, sd):
+        calls.append("load-pre")
+        sd = dict(sd)
+        sd.pop("extra")
+        return sd
+
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    sd = opt.state_dict()
+    assert sd["extra"] == 1
+    opt.load_state_dict(sd)
+    assert calls == ["sd-pre", "sd-post", "load-pre", "load-post"]

@@ -1,0 +1,134 @@
+"""Every torch mode under ``torch.compile``: one graph, the mode's dtypes, same training.
+
+The ``aot_eager`` backend keeps these quick on CPU: dynamo captures the graph and AOT
+autograd traces forward and backward, without generating kernels.
+"""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch_task import ALL_MODES, CharMLP, batches, ids, is_o3, make_model, make_opt
+
+import mpfunc_torch
+
+pytestmark = pytest.mark.filterwarnings(
+    # dynamo's own notice when a test process compiles more than its cache limit.
+    "ignore:.*torch._dynamo hit config.*:UserWarning"
+)
+
+
+def probe(net):
+    """Records the dtype each Linear / LayerNorm returns (hooks run in compiled code too).
+    The dict has its keys from the start: dynamo then guards on nothing that changes."""
+    layers = {n: m for n, m in net.named_modules()
+              if isinstance(m, torch.nn.Linear | torch.nn.LayerNorm)}
+    seen = dict.fromkeys(layers)
+    for name, m in layers.items():
+        m.register_forward_hook(lambda mod, a, out, name=name: seen.__setitem__(name, out.dtype))
+    return seen
+
+
+def convert(net, mode, cfg):
+    opt = make_opt(net.parameters(), "sgd" if is_o3(cfg) else "adam", fused=False)
+    return mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(), mode=mode, **cfg)
+
+
+def run(model, opt, crit, data):
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = crit(model(x), y)
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode, cfg", ALL_MODES, ids=ids)
+def test_every_mode_compiles_to_one_graph_and_trains_like_eager(mode, cfg):
+    data = batches(3, batch=32)
+    eager_net = make_model()
+    eager_seen = probe(eager_net)
+    eager_losses = run(*convert(eager_net, mode, cfg), data)
+
+    net = make_model()
+    seen = probe(net)
+    model, opt, crit = convert(net, mode, cfg)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    losses = run(compiled, opt, crit, data)
+    assert counter.frame_count == 1  # one graph, compiled once, reused every step
+    # The compiled model computes each layer in the dtype the eager one does.
+    assert seen == eager_seen and None not in seen.values()
+    tol = 1e-5 if mode == "apex" and cfg["opt_level"] == "O0" else 2e-2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=tol,
+                               atol=tol)
+    if cfg.get("opt_level") == "O1":  # apex's fp32 list holds inside the graph
+        assert seen == {"fc1": torch.float16, "norm": torch.float32,
+                              "fc2": torch.float16}
+
+
+def test_o1_when_the_inner_module_is_compiled():
+    # convert_to_amp(torch.compile(net)): the conversion goes inside the compiled module,
+    # so the casts and the fp32 list are part of its graph.
+    x, _ = batches(1, batch=8)[0]
+    net = make_model()
+    seen = probe(net)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(net, backend=counter, fullgraph=True)
+    model, _, _ = convert(compiled, "apex", {"opt_level": "O1", "verbosity": 0})
+    out = model(x)
+    assert counter.frame_count == 1 and out.dtype == torch.float16
+    assert seen == {"fc1": torch.float16, "norm": torch.float32, "fc2": torch.float16}
+
+
+@pytest.mark.filterwarnings(  # dynamo probes `.grad` of its non-leaf input (and hides it)
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
+def test_o1_calls_a_compiled_submodule_inside_its_fp32_mode():
+    # The fp32-list mode is active when the compiled frame starts; torch 2.13's dynamo
+    # used to fail building its guards (NameError: ___get_torch_function_mode_stack_at).
+    class Net(CharMLP):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.compile(torch.nn.Sequential(self.fc1, self.norm),
+                                       backend="aot_eager", fullgraph=True)
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.block(self.embed(x).flatten(1)))
+            return self.fc2(h)
+
+    torch.manual_seed(0)
+    net = Net()
+    seen = probe(net)
+    model, opt, crit = convert(net, "apex", {"opt_level": "O1", "verbosity": 0})
+    losses = run(model, opt, crit, batches(2, batch=8))
+    assert all(l == l for l in losses)  # noqa: E741 - finite (not NaN)
+    assert seen == {"fc1": torch.float16, "norm": torch.float32, "fc2": torch.float16}
+
+
+def test_o1_compiles_a_huggingface_llama_in_one_graph():
+    # The model from the issue's report: a real transformer, apex O1, fullgraph.
+    hf = pytest.importorskip("test_hf_transformers")
+    data = [hf.data("llama")] * 2
+    losses = {}
+    for compiled in (False, True):
+        net = hf.build("llama")
+        model, opt, _ = hf.convert(net, "apex", {"opt_level": "O1", "verbosity": 0})
+        counter = CompileCounterWithBackend("aot_eager")
+        run_model = torch.compile(model, backend=counter, fullgraph=True) if compiled else model
+        losses[compiled] = []
+        for x, y in data:
+            opt.zero_grad()
+            out = run_model(input_ids=x, labels=y)
+            opt.backward(out.loss)
+            opt.step()
+            losses[compiled].append(out.loss.item())
+    assert counter.frame_count == 1 and type(out).__name__ == "CausalLMOutputWithPast"
+    torch.testing.assert_close(losses[True], losses[False], rtol=2e-2, atol=2e-2)
