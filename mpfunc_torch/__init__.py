@@ -21,6 +21,8 @@ from _mpfunc_common.mixed_precision import (
     FP16TorchMixedPrecision,
 )
 from mpfunc_torch._src.booster import backward, boost
+from mpfunc_torch._src.clipping import clip_grad_norm_, mark_replicated
+from mpfunc_torch._src.dcp import get_state_dict, set_state_dict
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.model import AmpCriterion, AmpModel, is_norm_module
 from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
@@ -40,6 +42,10 @@ __all__ = [
     "LossScaler",
     "backward",
     "boost",
+    "clip_grad_norm_",
     "convert_to_amp",
+    "get_state_dict",
     "is_norm_module",
+    "mark_replicated",
+    "set_state_dict",
 ]

@@ -138,3 +138,14 @@ def test_checkpoint_reshards_from_two_ranks_to_four(fsdp2, fsdp4):
         for k, v in saved["after_params"].items():
             torch.testing.assert_close(d["after_params"][k], v, rtol=1e-3, atol=1e-4)
         assert d["masters_local"] * 4 == pytest.approx(d["masters_full"], rel=0.05)
+
+
+@pytest.mark.parametrize("label", ["torch", "O2", "naive"])
+def test_convert_then_fully_shard_is_refused_naming_the_order(fsdp2, label):
+    """issue 14, FSDP2 in both orders: fully_shard then convert_to_amp trains like one
+    process (the tests above); convert_to_amp then fully_shard would leave the optimizer
+    stepping the replaced, unsharded params, so the first forward says which order works."""
+    for r in fsdp2:
+        msg = r["orders"][label]["error"]
+        assert msg is not None, label
+        assert "Shard first, then build the optimizer" in msg and "fully_shard(net)" in msg

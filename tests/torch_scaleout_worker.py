@@ -6,6 +6,7 @@ norm)], "losses": [...], "params": {name: float32 tensor} (full values; per stag
 pipelines), ...}}} and prints "RESULT ok".
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -164,6 +165,27 @@ def o2_unit_error():
         results["o2_unit_error"] = None
     except ValueError as e:
         results["o2_unit_error"] = str(e)
+
+
+def fsdp_orders():
+    """issue 14's order question for FSDP2: fully_shard then convert_to_amp is the order
+    fsdp_runs trains with; convert_to_amp then fully_shard leaves the optimizer over the
+    replaced params, and the first forward must refuse it naming the right order."""
+    mesh = mesh_1d()
+    out = {}
+    for label in ("torch", "O2", "naive"):
+        net = tm.make_model()
+        model, opt, crit = convert(net, label)
+        before = [p for p in net.parameters()]
+        shard(net, mesh, "torch")  # one unit per block, whatever the dtypes
+        x, y = tm.batch(0)
+        try:
+            opt.backward(crit(model(x), y))
+            out[label] = {"error": None}
+        except ValueError as e:
+            out[label] = {"error": str(e)}
+        out[label]["untouched"] = all(not is_dtensor(p) for p in before)
+    results["orders"] = out
 
 
 def dcp_run(ckpt):
@@ -403,8 +425,8 @@ ALL = [label for label, _, _ in tm.MODES]
 SECTIONS = {
     # 2 ranks: every mode under FSDP2, DCP save / reload and the N = 1 bytes; DTensor TP;
     # the Megatron split; 2 pipeline stages.
-    "two": [("fsdp", lambda: (fsdp_runs(ALL), o2_unit_error(), dcp_run(outdir / "ckpt"),
-                              single_rank_bytes())),
+    "two": [("fsdp", lambda: (fsdp_runs(ALL), o2_unit_error(), fsdp_orders(),
+                              dcp_run(outdir / "ckpt"), single_rank_bytes())),
             ("tp", lambda: tp_runs(two_d=False)),
             ("megatron", lambda: megatron_runs(
                 lambda: (dist.group.WORLD, rank, world, dist.group.WORLD))),
@@ -418,7 +440,10 @@ SECTIONS = {
 # One launch runs several sections: starting the processes (importing torch) costs more
 # than the runs themselves.
 everything = {}
+only = os.environ.get("SCALEOUT_SECTIONS")  # for debugging: a comma-separated subset
 for section, run in SECTIONS[scenario]:
+    if only and section not in only.split(","):
+        continue
     results = everything[section] = {}
     run()
 results = everything

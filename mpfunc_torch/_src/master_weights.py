@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpfunc_torch._src.sharding import local
+
 __all__ = [
     "make_masters",
     "keep_half_masters",
@@ -79,8 +81,8 @@ def copy_grads_to_masters_(pairs: Pairs) -> None:
             continue
         if m.grad is None or m.grad.is_sparse:
             m.grad = torch.empty_like(m)
-        model_grads.append(g)
-        master_grads.append(m.grad)
+        model_grads.append(local(g))  # DTensors (FSDP2, TP): each rank copies its shard
+        master_grads.append(local(m.grad))
     if model_grads:
         torch._foreach_copy_(master_grads, model_grads)
     for p, _ in pairs:
@@ -90,7 +92,8 @@ def copy_grads_to_masters_(pairs: Pairs) -> None:
 def copy_masters_to_model_(pairs: Pairs) -> None:
     """Master values -> model params (rounded to the params' dtype), one foreach copy."""
     if pairs:
-        torch._foreach_copy_([p.data for p, _ in pairs], [m.data for _, m in pairs])
+        torch._foreach_copy_([local(p).data for p, _ in pairs],
+                             [local(m).data for _, m in pairs])
 
 
 def release_master_grads_(pairs: Pairs) -> None:

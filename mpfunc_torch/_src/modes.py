@@ -28,6 +28,7 @@ from mpfunc_torch._src.model import (
     refuse_data_parallel_wrapper,
 )
 from mpfunc_torch._src.optimizer import AmpOptimizer
+from mpfunc_torch._src.sharding import check_fsdp_units
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
 
@@ -91,6 +92,18 @@ def _refuse_broken_fused_sgd(optimizers, masters) -> None:
                         "Use fused=False, or a mode with float32 master weights (naive, "
                         "apex O2)."
                     )
+
+
+def _check_fsdp_units(model: nn.Module, target: torch.dtype, keep_norm_fp32: bool,
+                      is_norm: Callable[[str, nn.Module], bool]) -> None:
+    """FSDP2 units the cast would break are refused before anything is cast."""
+    kept: set[int] = set()
+    if keep_norm_fp32:
+        for name, module in model.named_modules():
+            if is_norm(name, module):
+                kept.update(id(p) for p in module.parameters())
+    check_fsdp_units(model, lambda p: torch.float32 if id(p) in kept or
+                     not p.is_floating_point() else target)
 
 
 def convert_to_amp(
@@ -226,6 +239,7 @@ def convert_to_amp(
         target = DTYPES[plan.cast_model_type]
         if target in HALF:
             refuse_data_parallel_wrapper(model, plan)
+        _check_fsdp_units(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
         if plan.master_weights:
             if any(len(opt.state) > 0 for opt in optimizers):
                 raise ValueError("`optimizer` already has state; convert it to master "
