@@ -81,7 +81,9 @@ def test_every_mode_trains_like_one_process(fsdp2, label):
 @pytest.mark.parametrize("label", LABELS)
 def test_with_mixed_precision_policy_and_fused_optimizer(fsdp2, label):
     key = f"{label}+policy"
-    check_run(fsdp2, key, reference(label, None, label != "O3"), POLICY_TOL)
+    # O3 keeps SGD (float16 Adam state would be O3's own problem): the SGD tolerance.
+    tol = TOL["O3"] if label == "O3" else POLICY_TOL
+    check_run(fsdp2, key, reference(label, None, label != "O3"), tol)
     # FSDP keeps the sharded params in their own dtype and casts only what it gathers.
     expected = {"torch": ["torch.float32"], "O1": ["torch.float32"], "bf16": ["torch.float32"],
                 "O2": ["torch.float16", "torch.float32"], "O3": ["torch.float16"],

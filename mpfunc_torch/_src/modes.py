@@ -160,10 +160,18 @@ def convert_to_amp(
         ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, or a config
         object such as ``FP16NaiveMixedPrecision(hysteresis=3)``. Each means exactly
         the same mode and keys.
-      process_group: a ``ProcessGroup`` or a sequence of them (e.g. tensor-parallel and
-        pipeline groups): ``found_inf`` is MAX-all-reduced over each, so all their ranks
-        skip or step together. None: no reduction (with plain DDP the gradients are
-        already identical on every rank).
+      process_group: a ``ProcessGroup`` or a sequence of them: the groups the model is
+        split over by hand (tensor-parallel and pipeline groups). ``found_inf`` is
+        MAX-all-reduced over each, so all their ranks skip or step together, and
+        ``clip_grad_norm`` sums plain gradients over them (params marked with
+        `mark_replicated` counted once). DTensor params (FSDP2 ``fully_shard``,
+        ``parallelize_module``) need nothing here: every dimension of their device
+        meshes is found from the params. None: no reduction (with plain DDP the
+        gradients are already identical on every rank; naming a data-parallel group
+        is harmless for the skip but would count its averaged gradients N times in
+        the clipping norm). FSDP2 / tensor parallelism go first: shard, build the
+        optimizer over the sharded params, then convert, before the first forward
+        (the other order is refused at the first forward).
       device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``, to assert where
         the model runs; None = its params'.
       is_norm: ``(qualified_name, module) -> bool`` choosing the normalisation layers
