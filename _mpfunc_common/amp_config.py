@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from _mpfunc_common.fp8 import Fp8Recipe, resolve_recipe
 from _mpfunc_common.scale_config import (
     FLOAT32_MAX,
     FLOAT32_MIN_NORMAL,
@@ -32,7 +33,7 @@ __all__ = [
     "dtype_name",
 ]
 
-MODES = ("torch", "apex", "naive", "bf16")
+MODES = ("torch", "apex", "naive", "bf16", "fp8")
 
 # Every key each mode accepts, with its default (the seed docs' defaults).
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -71,6 +72,8 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "verbose": False,
     },
     "bf16": {},
+    # bf16 for everything but the matmuls of linear/dense layers, which run in fp8.
+    "fp8": {"recipe": "tensorwise"},
 }
 
 # apex's opt-level table: the properties each level sets before overrides.
@@ -137,7 +140,7 @@ class AmpPlan:
     """What a mode does, resolved from its name and config, framework-neutral.
 
     Attributes:
-      mode: ``"torch"``, ``"apex"``, ``"naive"`` or ``"bf16"``.
+      mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or ``"fp8"``.
       enabled: False turns the whole mode into plain float32 training.
       opt_level: apex's level (apex mode only).
       autocast_dtype: op-level autocast dtype, or None for no autocast.
@@ -153,6 +156,7 @@ class AmpPlan:
       clip_grad: global-norm clip of unscaled grads, 0 = off (naive).
       log_num_zeros_in_grad: count zero grads each step (naive).
       verbose: print what the conversion did.
+      fp8_recipe: the fp8 mode's `Fp8Recipe` (linear/dense matmuls in fp8), or None.
     """
 
     mode: str
@@ -171,12 +175,15 @@ class AmpPlan:
     clip_grad: float = 0.0
     log_num_zeros_in_grad: bool = False
     verbose: bool = False
+    fp8_recipe: Fp8Recipe | None = None
 
     def describe(self) -> str:
         if not self.enabled:
             return f"mode={self.mode}: disabled (plain float32)"
         parts = [f"mode={self.mode}" + (f" {self.opt_level}" if self.opt_level else "")]
         parts.append(f"autocast={self.autocast_dtype}")
+        if self.fp8_recipe is not None:
+            parts.append(f"fp8 linear matmuls ({self.fp8_recipe.describe()})")
         if self.apex_fp32_functions:
             parts.append("apex O1 fp32 list")
         parts.append(f"cast_model_type={self.cast_model_type}")
@@ -267,6 +274,10 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
 
     if mode_name == "bf16":
         return AmpPlan(mode="bf16", autocast_dtype="bfloat16", scale_kind="none")
+
+    if mode_name == "fp8":
+        return AmpPlan(mode="fp8", autocast_dtype="bfloat16", scale_kind="none",
+                       fp8_recipe=resolve_recipe(cfg["recipe"]))
 
     if mode_name == "naive":
         for key in ("log_num_zeros_in_grad", "verbose"):

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from _mpfunc_common.amp_config import MODES, dtype_name, resolve_amp
+from _mpfunc_common.fp8 import Fp8Recipe, resolve_recipe
 from _mpfunc_common.scale_config import as_python_number
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "FP16ApexMixedPrecision",
     "FP16NaiveMixedPrecision",
     "BF16MixedPrecision",
+    "FP8MixedPrecision",
     "MIXED_PRECISION",
     "mode_and_config",
 ]
@@ -56,6 +58,8 @@ def _normalise(name: str, value: Any) -> Any:
         return as_python_number(name, value)
     if name in _DTYPE_FIELDS:
         return dtype_name(value, name)
+    if name == "recipe":
+        return resolve_recipe(value)
     return value
 
 
@@ -191,6 +195,23 @@ class BF16MixedPrecision(MixedPrecisionConfig):
     booster_name: ClassVar[str] = "bf16"
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
+class FP8MixedPrecision(MixedPrecisionConfig):
+    """Mode ``"fp8"`` (Booster ``"fp8"``): bf16 everywhere except the matmuls of
+    linear/dense layers, which run in fp8 with ``recipe`` (a preset name or an
+    `Fp8Recipe`; stored resolved, so equal recipes give equal configs).
+
+    Examples:
+      >>> FP8MixedPrecision("delayed").recipe.amax_history_len
+      1024
+    """
+
+    mode: ClassVar[str] = "fp8"
+    booster_name: ClassVar[str] = "fp8"
+
+    recipe: str | Fp8Recipe = "tensorwise"
+
+
 # Colossal-AI Booster's `mixed_precision` names, each with its config class: the name
 # means the class with its defaults, i.e. exactly that mode with the seed's defaults.
 MIXED_PRECISION: dict[str, type[MixedPrecisionConfig]] = {
@@ -198,7 +219,7 @@ MIXED_PRECISION: dict[str, type[MixedPrecisionConfig]] = {
     "fp16_apex": FP16ApexMixedPrecision,
     "fp16_naive": FP16NaiveMixedPrecision,
     "bf16": BF16MixedPrecision,
-    # "fp8": FP8MixedPrecision,  <- the fp8 mode's entry goes here
+    "fp8": FP8MixedPrecision,
 }
 
 

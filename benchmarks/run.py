@@ -1,10 +1,11 @@
 """One entry point for every benchmark; writes out/benchmarks.md and out/benchmarks.json.
 
 Runs, in order: the JAX loss-scale overhead (plain Adam / mpfunc / lax.cond variant /
-manual jmp-style loop), the torch modes (fp32 / raw torch.amp / every mpfunc_torch
-mode), the unscale-and-check bandwidth, the JAX FSDP bytes per device and the torch
-FSDP2 bytes per rank. Each section records its device, software versions, the command
-and the date.
+manual jmp-style loop), what an exact skip costs in peak memory, compile time and step
+time (every scaling form and mode, three depths), the torch modes (fp32 / raw
+torch.amp / every mpfunc_torch mode), the unscale-and-check bandwidth, the JAX
+FSDP bytes per device and the torch FSDP2 bytes per rank. Each section records its device, software versions, the
+command and the date.
 
     python benchmarks/run.py [--device cpu|cuda] [--out out]
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax_loss_scale  # noqa: E402
+import jax_scale_cost  # noqa: E402
 import jax_sharding  # noqa: E402
 import torch_modes  # noqa: E402
 import torch_sharding  # noqa: E402
@@ -43,6 +45,12 @@ def main(argv=None):
     results["jax_loss_scale"] = r
     sections.append("## JAX loss-scale overhead\n\nCommand: `python benchmarks/jax_loss_scale.py`"
                     f"\n\n{jax_loss_scale.to_markdown(r)}")
+
+    r = jax_scale_cost.main([])
+    results["jax_scale_cost"] = r
+    sections.append("## JAX: what an exact skip costs (peak memory, compile, step)\n\n"
+                    "Command: `python benchmarks/jax_scale_cost.py`\n\n"
+                    f"{jax_scale_cost.to_markdown(r)}")
 
     r = torch_modes.main(["--device", args.device])
     results["torch_modes"] = r

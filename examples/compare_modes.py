@@ -37,8 +37,9 @@ MODES = {
     "apex-O2": ("apex", {"opt_level": "O2", "verbosity": 0}),
     "naive": ("naive", {}),
     "bf16": ("bf16", {}),
+    "fp8": ("fp8", {}),
 }
-DEFAULT_MODES = ["torch", "apex-O1", "apex-O2", "naive", "bf16"]
+DEFAULT_MODES = ["torch", "apex-O1", "apex-O2", "naive", "bf16", "fp8"]
 
 
 # ------------------------------------------------------------------------- torch model

@@ -15,24 +15,33 @@ except ModuleNotFoundError as _error:
 
     raise missing_extra_error("mpfunc (the JAX package)", "jax", _error) from _error
 
+from _mpfunc_common.fp8 import Fp8Recipe
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,
+    FP8MixedPrecision,
     FP16ApexMixedPrecision,
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
 )
 from mpfunc._src.autocast import AutocastLists, autocast
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
+from mpfunc._src.distributed import all_finite
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
+from mpfunc._src.fp8 import (
+    Fp8DotState,
+    Fp8Meta,
+    dequantize_fp8,
+    fp8_dot,
+    fp8_dot_state,
+    quantize_fp8,
+)
+from mpfunc._src.fp8_convert import Fp8Function, convert_to_fp8
 from mpfunc._src.loss_scale import (
     LossScaleState,
-    all_finite,
+    ScaledValueAndGrad,
     chain,
     dynamic_scale,
-    loss_scale,
     no_scale,
-    scale_loss,
-    scale_metrics,
     static_scale,
 )
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
@@ -45,6 +54,7 @@ from mpfunc._src.policy import (
     get_policy,
     half_dtype,
 )
+from mpfunc._src.scale_state import loss_scale, scale_loss, scale_metrics, value_and_grad
 from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"
@@ -53,13 +63,19 @@ __all__ = [
     "AmpSetup",
     "AutocastLists",
     "BF16MixedPrecision",
+    "FP8MixedPrecision",
     "FP16ApexMixedPrecision",
     "FP16NaiveMixedPrecision",
     "FP16TorchMixedPrecision",
+    "Fp8DotState",
+    "Fp8Function",
+    "Fp8Meta",
+    "Fp8Recipe",
     "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",
     "Policy",
+    "ScaledValueAndGrad",
     "all_finite",
     "autocast",
     "cast_floating",
@@ -68,7 +84,11 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "convert_to_amp",
+    "convert_to_fp8",
+    "dequantize_fp8",
     "dynamic_scale",
+    "fp8_dot",
+    "fp8_dot_state",
     "get_policy",
     "global_norm",
     "half_dtype",
@@ -79,8 +99,10 @@ __all__ = [
     "nnx_apply_policy",
     "no_scale",
     "norm_classes",
+    "quantize_fp8",
     "scale_loss",
     "scale_metrics",
     "state_sharding",
     "static_scale",
+    "value_and_grad",
 ]

@@ -14,8 +14,10 @@ except ModuleNotFoundError as _error:
 
     raise missing_extra_error("mpfunc_torch (the PyTorch package)", "torch", _error) from _error
 
+from _mpfunc_common.fp8 import Fp8Recipe
 from _mpfunc_common.mixed_precision import (
     BF16MixedPrecision,
+    FP8MixedPrecision,
     FP16ApexMixedPrecision,
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
@@ -23,6 +25,8 @@ from _mpfunc_common.mixed_precision import (
 from mpfunc_torch._src.booster import backward, boost
 from mpfunc_torch._src.clipping import clip_grad_norm_, mark_replicated
 from mpfunc_torch._src.dcp import get_state_dict, set_state_dict
+from mpfunc_torch._src.fp8 import dequantize_fp8, quantize_fp8
+from mpfunc_torch._src.fp8_convert import Fp8Linear, convert_to_fp8
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.model import AmpCriterion, AmpModel, is_norm_module
 from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
@@ -36,16 +40,22 @@ __all__ = [
     "AmpModel",
     "AmpOptimizer",
     "BF16MixedPrecision",
+    "FP8MixedPrecision",
     "FP16ApexMixedPrecision",
     "FP16NaiveMixedPrecision",
     "FP16TorchMixedPrecision",
+    "Fp8Linear",
+    "Fp8Recipe",
     "LossScaler",
     "backward",
     "boost",
     "clip_grad_norm_",
     "convert_to_amp",
+    "convert_to_fp8",
+    "dequantize_fp8",
     "get_state_dict",
     "is_norm_module",
     "mark_replicated",
+    "quantize_fp8",
     "set_state_dict",
 ]

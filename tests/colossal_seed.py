@@ -9,7 +9,7 @@ Colossal-AI code against stand-ins that record which mode and keys it asks for.
 import enum
 
 # The Booster's `mixed_precision` names, as the seed lists them, with the mpfunc mode
-# each one is ('fp8' has no mode in mpfunc yet: see `available_booster_names`).
+# each one is (`available_booster_names` keeps those whose mode mpfunc has).
 SEED_BOOSTER_NAMES = {"fp16": "torch", "fp16_apex": "apex", "bf16": "bf16", "fp8": "fp8",
                       "fp16_naive": "naive"}
 

@@ -52,7 +52,7 @@ def half_model(mode, cfg):
 
 def compute_dtype(mode, cfg):
     """The dtype a Linear computes in under the mode."""
-    if mode == "bf16" or cfg.get("dtype") == "bfloat16":
+    if mode in ("bf16", "fp8") or cfg.get("dtype") == "bfloat16":
         return torch.bfloat16
     if cfg.get("opt_level") == "O0":
         return torch.float32
@@ -114,7 +114,8 @@ def test_generate_runs_in_the_modes_precision(name, mode, cfg):
     net = build(name).eval()
     model, _, _ = convert(net, mode, cfg)
     seen = []
-    first_linear = next(m for m in net.modules() if type(m).__name__ in ("Linear", "Conv1D"))
+    first_linear = next(m for m in net.modules()
+                        if type(m).__name__ in ("Linear", "Conv1D", "Fp8Linear"))
     first_linear.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
     prompt = data(name)[0][:2, :5]
     out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -156,3 +157,19 @@ def test_attributes_and_save_pretrained_round_trip(name, mode, cfg, tmp_path):
     model.eval(), model2.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=x).logits, model2(input_ids=x).logits)
+
+
+@pytest.mark.parametrize("name, converted, left", [
+    ("gpt2", 1, 8),   # only the tied lm_head is an nn.Linear; GPT-2's Conv1D stays bf16
+    ("llama", 15, 0),
+    ("bert", 14, 0),
+])
+def test_fp8_converts_the_linear_layers(name, converted, left):
+    net = build(name)
+    lm_head = getattr(net, "lm_head", None)
+    convert(net, "fp8", {})
+    kinds = [type(m).__name__ for m in net.modules()]
+    assert (kinds.count("Fp8Linear"), kinds.count("Conv1D") + kinds.count("Linear")) == (
+        converted, left)
+    if name == "gpt2":  # converted in place: still tied to the embedding
+        assert net.lm_head is lm_head and lm_head.weight is net.get_input_embeddings().weight

@@ -1,5 +1,6 @@
 """Tests for mpfunc._src.loss_scale: the rule, the transforms, sharding, multi-process."""
 
+import functools
 import json
 import os
 import pickle
@@ -22,16 +23,15 @@ from jax.sharding import PartitionSpec as P
 from lenient import adam, lenient
 
 import mpfunc
+from _mpfunc_common.scale_config import resolve_scale_config
 from mpfunc._src.loss_scale import _scale_transform
 
 MAX_STEPS = 128  # keeps every reference scale a normal float32 (see the apex note)
 
 
-def trajectory(opt, finite_seq):
-    """Scale after each step of ``opt`` fed a 2-leaf gradient, inf where not finite."""
+def _scan_scales(opt):
+    """A jitted run of ``opt`` over a boolean sequence: the scale after each step."""
     params = {"a": jnp.ones((3,), jnp.float32), "b": jnp.ones((2,), jnp.float16)}
-    n = len(finite_seq)
-    seq = jnp.asarray(list(finite_seq) + [True] * (MAX_STEPS - n))
 
     @jax.jit
     def run(seq):
@@ -43,6 +43,23 @@ def trajectory(opt, finite_seq):
 
         return jax.lax.scan(body, opt.init(params), seq)[1]
 
+    return run
+
+
+@functools.cache
+def _cached_run(kwargs):
+    return _scan_scales(mpfunc.dynamic_scale(**dict(kwargs)))
+
+
+def trajectory(opt, finite_seq):
+    """Scale after each step of ``opt`` fed a 2-leaf gradient, inf where not finite.
+
+    ``opt`` is a transformation, or a dict of `dynamic_scale` keywords (compiled once per
+    distinct dict, which keeps the hypothesis tests fast).
+    """
+    run = _cached_run(tuple(sorted(opt.items()))) if isinstance(opt, dict) else _scan_scales(opt)
+    n = len(finite_seq)
+    seq = jnp.asarray(list(finite_seq) + [True] * (MAX_STEPS - n))
     return np.asarray(run(seq))[:n]
 
 
@@ -57,19 +74,19 @@ def assert_bitwise(ours, ref):
 class TestAnchors:
     @given(seqs, st.integers(1, 6))
     def test_torch_gradscaler(self, seq, interval):
-        ours = trajectory(mpfunc.dynamic_scale(preset="torch", growth_interval=interval), seq)
+        ours = trajectory(dict(preset="torch", growth_interval=interval), seq)
         assert_matches_anchor(ours, torch_gradscaler(seq, interval=interval))
 
     @given(seqs, st.integers(1, 6))
     def test_torch_gradscaler_with_the_smallest_floor(self, seq, interval):
         # min_scale=2**-126: GradScaler's trajectory exactly, down to the smallest normal.
-        opt = mpfunc.dynamic_scale(growth_interval=interval, min_scale=2.0**-126)
+        opt = dict(growth_interval=interval, min_scale=2.0**-126)
         assert_matches_anchor(trajectory(opt, seq), torch_gradscaler(seq, interval=interval),
                               floor=2.0**-126)
 
     @given(seqs)
     def test_torch_preset_defaults(self, seq):
-        assert_matches_anchor(trajectory(mpfunc.dynamic_scale(), seq), torch_gradscaler(seq))
+        assert_matches_anchor(trajectory({}, seq), torch_gradscaler(seq))
 
     def test_long_overflow_runs_stop_at_the_floor(self):
         # 142 overflows from 2**16 took the old, unfloored rule to exactly 0 on CPU.
@@ -81,10 +98,7 @@ class TestAnchors:
     @given(seqs, st.integers(1, 6), st.sampled_from([None, 1.0, 2.0**-3, 2.0**10]),
            st.sampled_from([2.0**24, 2.0**17, 2.0**14]))
     def test_apex_loss_scaler(self, seq, window, min_s, max_s):
-        opt = mpfunc.dynamic_scale(
-            preset="apex", growth_interval=window, max_scale=max_s,
-            min_scale=min_s if min_s is not None else None,
-        )
+        opt = dict(preset="apex", growth_interval=window, max_scale=max_s, min_scale=min_s)
         if min_s is not None and min_s > min(2.0**16, max_s):
             return
         ref = apex_loss_scaler(seq, min_loss_scale=min_s, max_loss_scale=max_s, window=window)
@@ -92,20 +106,19 @@ class TestAnchors:
 
     @given(seqs)
     def test_apex_preset_defaults(self, seq):
-        assert_matches_anchor(trajectory(mpfunc.dynamic_scale(preset="apex"), seq),
+        assert_matches_anchor(trajectory(dict(preset="apex"), seq),
                               apex_loss_scaler(seq))
 
     @given(seqs, st.integers(1, 6), st.integers(1, 4), st.sampled_from([1.0, 2.0**20]))
     def test_megatron_scaler(self, seq, interval, hysteresis, min_s):
-        opt = mpfunc.dynamic_scale(
-            preset="naive", growth_interval=interval, hysteresis=hysteresis, min_scale=min_s
-        )
+        opt = dict(preset="naive", growth_interval=interval, hysteresis=hysteresis,
+                   min_scale=min_s)
         ref = megatron_scaler(seq, interval=interval, hysteresis=hysteresis, min_scale=min_s)
         assert_bitwise(trajectory(opt, seq), ref)
 
     @given(seqs)
     def test_naive_preset_defaults(self, seq):
-        assert_bitwise(trajectory(mpfunc.dynamic_scale(preset="naive"), seq), megatron_scaler(seq))
+        assert_bitwise(trajectory(dict(preset="naive"), seq), megatron_scaler(seq))
 
     def test_hysteresis_refills_only_on_growth(self):
         # hysteresis 2, interval 3: F ok ok F -> the second overflow backs off because the
@@ -275,12 +288,12 @@ class TestWrapper:
         assert float(optax.tree.norm(updates)) > 0
         assert float(mpfunc.loss_scale(state)) == 2.0**17  # interval 1: grew once
         infs = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), params)
-        inner_before = mpfunc._src.loss_scale._find_states(state)[0].inner_state
+        inner_before = mpfunc._src.scale_state._find_states(state)[0].inner_state
         _, state = step(ones, state, params)
         updates, state = step(infs, state, params)  # the accumulated batch overflows
         chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
         chex.assert_trees_all_equal(
-            mpfunc._src.loss_scale._find_states(state)[0].inner_state, inner_before)
+            mpfunc._src.scale_state._find_states(state)[0].inner_state, inner_before)
         assert float(mpfunc.loss_scale(state)) == 2.0**16
 
     def test_optax_multisteps_reset_keeps_nan_after_an_overflow(self):
@@ -374,11 +387,12 @@ class TestState:
     def test_state_fields_and_dtypes(self):
         _, _, state = adam_setup()
         assert state._fields == ("loss_scale", "growth_tracker", "hysteresis_left",
-                                 "skipped_steps", "last_finite", "inner_state")
+                                 "skipped_steps", "consecutive_skips", "last_finite", "inner_state")
         assert state.loss_scale.dtype == jnp.float32
         assert state.growth_tracker.dtype == jnp.int32
         assert state.hysteresis_left.dtype == jnp.int32
         assert state.skipped_steps.dtype == jnp.int32
+        assert state.consecutive_skips.dtype == jnp.int32
         assert state.last_finite.dtype == jnp.bool_
 
     def test_jit_compiles_once_across_steps(self):
@@ -586,6 +600,23 @@ class TestSharding:
         assert np.asarray(f(w, x, jnp.int32(-1))).all()
         assert not np.asarray(f(w, x, jnp.int32(1))).any()
 
+    def test_an_axis_missing_from_axis_name_is_a_trace_time_error(self):
+        # Grads that vary over "model" with axis_name="data" only: the "model" shards
+        # would decide alone (one steps, one skips). Say which axis is missing, when
+        # tracing, instead of jax's own vma error deep inside the inner update.
+        opt = mpfunc.dynamic_scale(adam(1e-2), axis_name="data")
+
+        def step(w, x):
+            grads = jax.grad(lambda w: jax.lax.pmean(jnp.sum((x @ w) ** 2), "data"))(w)
+            _, state = opt.update(grads, opt.init(w), w)
+            return state.loss_scale
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh_2d(), in_specs=(P(None, "model"), P("data")),
+                                  out_specs=P()))
+        with pytest.raises(ValueError, match=r"varying over \{model\}.*"
+                                             r"axis_name=\('data', 'model'\)"):
+            f(jnp.ones((4, 8)), jnp.ones((8, 4)))
+
     def test_optax_apply_if_finite_decides_per_shard(self):
         # The prior art this replaces: without a psum, replicas disagree.
         mesh = mesh_2d()
@@ -648,3 +679,331 @@ def test_two_processes_skip_together():
     assert r0[1]["params_unchanged"] and r1[1]["params_unchanged"]  # both skipped
     assert not r0[0]["params_unchanged"]
     assert [r["scale"] for r in r0] == [2.0**16, 2.0**15, 2.0**15, 2.0**16]
+
+
+# --- issue 10: drop-in forms, long runs, restored states, validation ------------------
+
+class TestMultiStepsAccepted:
+    def test_readme_form(self):
+        # The README's exact form: a MultiSteps (not a GradientTransformation) wrapped.
+        params = {"w": jnp.ones((2,))}
+        with jax.numpy_dtype_promotion("standard"):  # optax's adam is not strict-clean
+            opt = mpfunc.dynamic_scale(optax.MultiSteps(optax.adam(1e-1), 2))
+            state = opt.init(params)
+            step = jax.jit(opt.update)
+            for _ in range(2):
+                g = {"w": jnp.full((2,), 1.0) * mpfunc.loss_scale(state)}
+                u, state = step(g, state, params)
+        assert float(u["w"][0]) == pytest.approx(-0.1, rel=1e-5)  # Adam's first step: -lr
+
+    def test_everywhere_a_transformation_is_taken(self):
+        ms = lambda: optax.MultiSteps(optax.sgd(1.0), 2)  # noqa: E731
+        params = {"w": jnp.ones((2,))}
+        made = [
+            mpfunc.static_scale(2.0, ms()), mpfunc.no_scale(ms()),
+            mpfunc.chain(mpfunc.dynamic_scale(), ms()), mpfunc.master_weights(ms()),
+            mpfunc.convert_to_amp(lambda p, x: x, ms(), mode="bf16").optimizer,
+        ]
+        for opt in made:
+            with jax.numpy_dtype_promotion("standard"):  # optax's MultiSteps is not strict
+                state = opt.init(params)
+                for _ in range(2):
+                    g = {"w": jnp.ones((2,))}
+                    if mpfunc._src.scale_state._find_states(state):
+                        g = {"w": g["w"] * mpfunc.loss_scale(state)}
+                    u, state = opt.update(g, state, params)
+            np.testing.assert_array_equal(u["w"], -1.0)
+
+    def test_not_a_transformation(self):
+        for bad in (lambda g: g, "adam", optax.adam):
+            with pytest.raises(TypeError, match="`inner` must be an optax Gradient.*MultiSteps"):
+                mpfunc.dynamic_scale(bad)
+        with pytest.raises(TypeError, match=r"`links\[1\]`"):
+            mpfunc.chain(optax.sgd(1.0), "sgd")
+        with pytest.raises(TypeError, match="`optimizer`"):
+            mpfunc.convert_to_amp(lambda p, x: x, "adam")
+
+
+class TestLongRuns:
+    def test_200_overflows_then_500_clean_steps_all_train(self):
+        # The unfloored rule reached a scale of exactly 0 after 142 overflows on CPU and
+        # then skipped every step forever.
+        params = {"w": jnp.ones((4,))}
+        opt = mpfunc.dynamic_scale(optax.sgd(1e-3))
+        seq = jnp.asarray([False] * 200 + [True] * 500)
+
+        @jax.jit
+        def run(params, state):
+            def body(carry, finite):
+                params, state = carry
+                g = {"w": jnp.where(finite, jnp.ones((4,)), jnp.inf) * state.loss_scale}
+                u, state = opt.update(g, state, params)
+                new = optax.apply_updates(params, u)
+                return (new, state), (jnp.any(new["w"] != params["w"]), state.loss_scale)
+
+            return jax.lax.scan(body, (params, state), seq)
+
+        (params, state), (moved, scales) = run(params, opt.init(params))
+        moved, scales = np.asarray(moved), np.asarray(scales)
+        assert not moved[:200].any() and moved[200:].all()  # all 500 clean steps trained
+        assert scales.min() == 1.0 and scales[-1] == 1.0
+        np.testing.assert_allclose(np.asarray(params["w"]), 1 - 500e-3, rtol=1e-4)
+        assert int(state.skipped_steps) == 200 and int(state.consecutive_skips) == 0
+
+    @pytest.mark.parametrize("preset", ["torch", "apex", "naive", "jmp"])
+    def test_bit_identical_to_torch_loss_scaler_over_long_overflow_runs(self, preset):
+        import torch
+
+        from mpfunc_torch import LossScaler
+
+        rng = np.random.default_rng(0)
+        seq = []
+        while len(seq) < 6000:  # clean stretches past growth_interval, overflow bursts
+            seq += [True] * int(rng.integers(0, 2500)) + [False] * int(rng.integers(1, 400))
+        kw = dict(growth_interval=300) if preset != "naive" else dict(growth_interval=150)
+        cfg = resolve_scale_config(preset, **kw)
+        opt = mpfunc.dynamic_scale(preset=preset, **kw)
+
+        @jax.jit
+        def run(seq):
+            def body(state, finite):
+                g = {"w": jnp.where(finite, 1.0, jnp.inf) * jnp.ones((2,))}
+                _, state = opt.update(g, state)
+                return state, (state.loss_scale, state.growth_tracker, state.hysteresis_left,
+                               state.skipped_steps)
+
+            return jax.lax.scan(body, opt.init({"w": jnp.ones((2,))}), seq)[1]
+
+        ours = [np.asarray(a) for a in run(jnp.asarray(seq))]
+        scaler = LossScaler("dynamic", config=cfg)
+        theirs = [[], [], [], []]
+        for finite in seq:
+            scaler.update(torch.tensor(0.0 if finite else 1.0))
+            sd = scaler.state_dict()
+            for i, k in enumerate(("loss_scale", "growth_tracker", "hysteresis_left",
+                                   "skipped_steps")):
+                theirs[i].append(sd[k].numpy())
+        np.testing.assert_array_equal(ours[0].view(np.uint32),
+                                      np.asarray(theirs[0], np.float32).view(np.uint32))
+        for a, b in zip(ours[1:], theirs[1:]):
+            np.testing.assert_array_equal(a, np.asarray(b))
+        assert ours[0].min() == np.float32(cfg.min_scale)  # the runs reached the floor
+
+
+class TestRestoredStates:
+    def test_trackers_out_of_range_are_clamped(self):
+        opt = mpfunc.dynamic_scale(optax.sgd(1.0), preset="naive", init_scale=2.0**10,
+                                   growth_interval=10)  # hysteresis 2, max 2**32
+        params = {"w": jnp.ones((2,))}
+        fresh = opt.init(params)
+        bad, ok = {"w": jnp.full((2,), jnp.inf)}, {"w": jnp.ones((2,))}
+        # hysteresis_left 5 (from a hysteresis-5 run) behaves as 2: backs off on the 2nd.
+        s = fresh._replace(hysteresis_left=jnp.int32(5))
+        for _ in range(2):
+            _, s = opt.update(bad, s, params)
+        assert float(s.loss_scale) == 2.0**9
+        # A growth tracker past the interval grows at the next clean step, not never.
+        s = fresh._replace(growth_tracker=jnp.int32(5000))
+        _, s = opt.update(ok, s, params)
+        assert float(s.loss_scale) == 2.0**11 and int(s.growth_tracker) == 0
+        # A scale out of [min, max], NaN or negative is brought back inside the range.
+        for raw, want in ((2.0**40, 2.0**32), (jnp.nan, 1.0), (-3.0, 1.0), (0.0, 1.0)):
+            s = fresh._replace(loss_scale=jnp.float32(raw))
+            _, s = opt.update(ok, s, params)
+            assert float(s.loss_scale) == want, raw
+        # Negative counters from a corrupted checkpoint count from 0.
+        s = fresh._replace(skipped_steps=jnp.int32(-7), consecutive_skips=jnp.int32(-2))
+        _, s = opt.update(bad, s, params)
+        assert int(s.skipped_steps) == 1 and int(s.consecutive_skips) == 1
+
+    def test_state_of_another_inner_optimizer_is_a_clear_error(self):
+        params = {"w": jnp.ones((2,))}
+        adam_state = mpfunc.dynamic_scale(adam(1e-3)).init(params)
+        sgd_m = mpfunc.dynamic_scale(lenient(optax.sgd(1.0, momentum=0.9)))
+        with pytest.raises(ValueError, match="`state.inner_state` does not match"):
+            jax.jit(sgd_m.update)({"w": jnp.ones((2,))}, adam_state, params)
+        other_shapes = mpfunc.dynamic_scale(adam(1e-3)).init({"w": jnp.ones((3,))})
+        with pytest.raises(ValueError, match="leaf shapes"):
+            mpfunc.dynamic_scale(adam(1e-3)).update({"w": jnp.ones((2,))}, other_shapes, params)
+
+
+    def test_inner_init_that_reads_values_on_the_host_still_works(self):
+        # The structure check traces `inner.init`; an init that needs concrete values
+        # (it reads params with NumPy) cannot be traced. That must not break `update`,
+        # which worked before the check existed: the check is skipped for such inits.
+        def init(params):
+            return {"n": jnp.int32(sum(np.asarray(p).size for p in jax.tree.leaves(params)))}
+
+        def update(updates, state, params=None):
+            return updates, {"n": state["n"] + 1}
+
+        opt = mpfunc.dynamic_scale(optax.GradientTransformation(init, update))
+        params = {"w": jnp.ones((2,))}
+        state = opt.init(params)
+        u, state = opt.update({"w": jnp.full((2,), 2.0**16)}, state, params)
+        np.testing.assert_array_equal(u["w"], 1.0)
+        assert int(state.inner_state["n"]) == 3
+
+class TestValidation:
+    @pytest.mark.parametrize("scale", [np.float32(2.0), jnp.float32(2.0), np.float64(2.0),
+                                       jnp.asarray(2.0), 2, np.int32(2)])
+    def test_static_scale_takes_numpy_and_jax_scalars(self, scale):
+        opt = mpfunc.static_scale(scale, optax.sgd(1.0))
+        state = opt.init({"w": jnp.ones(1)})
+        assert float(mpfunc.loss_scale(state)) == 2.0
+        u, _ = opt.update({"w": jnp.full((1,), 4.0)}, state)
+        np.testing.assert_array_equal(u["w"], -2.0)
+
+    @pytest.mark.parametrize("scale, err, match", [
+        (1e39, ValueError, r"float32: inf"), (1e-50, ValueError, r"float32: 0.0"),
+        (1e-40, ValueError, "normal float32"), (float("nan"), ValueError, "nan"),
+        (0.0, ValueError, "normal"), (-1.0, ValueError, "normal"),
+        ("8", TypeError, "real number"), (True, TypeError, "real number"),
+        (jnp.ones(2), TypeError, "0-d"),
+    ])
+    def test_static_scale_rejects(self, scale, err, match):
+        with pytest.raises(err, match=f"`scale`.*{match}"):
+            mpfunc.static_scale(scale)
+
+    def test_static_scale_refuses_a_traced_value(self):
+        with pytest.raises(TypeError, match="`scale` must be a concrete number"):
+            jax.jit(lambda s: mpfunc.static_scale(s).init({}))(2.0)
+
+    @pytest.mark.parametrize("bad", [3.5, 3, True, np.float32(1.0), [], "", ("data", ""), ("data", 3.5),
+                                     ["data", None], {"data"}, ("data", ["model"])])
+    def test_axis_name_is_checked(self, bad):
+        for make in (lambda: mpfunc.dynamic_scale(axis_name=bad),
+                     lambda: mpfunc.static_scale(2.0, axis_name=bad),
+                     lambda: mpfunc.no_scale(axis_name=bad),
+                     lambda: mpfunc.all_finite({}, axis_name=bad),
+                     lambda: mpfunc.value_and_grad(jnp.sum, axis_name=bad)):
+            with pytest.raises(TypeError, match="`axis_name` must be None, a mesh axis name"):
+                make()
+
+    @pytest.mark.parametrize("good", ["data", ("data", "model"), ["data", "model"], None])
+    def test_axis_name_forms_accepted(self, good):
+        mpfunc.dynamic_scale(axis_name=good)
+
+    def test_jmp_style_hyperparameters(self):
+        # As jmp's README builds its scales: concrete JAX scalars and integral floats.
+        opt = mpfunc.dynamic_scale(init_scale=jnp.float32(2.0**15),
+                                   min_scale=jnp.asarray(0.3125), growth_interval=5.0)
+        state = opt.init({})
+        assert float(state.loss_scale) == 2.0**15
+        s = state
+        for _ in range(5):
+            _, s = opt.update({"w": jnp.ones(1)}, s)
+        assert float(s.loss_scale) == 2.0**16  # interval 5
+        s = state._replace(loss_scale=jnp.float32(0.5))
+        _, s = opt.update({"w": jnp.full((1,), jnp.inf)}, s)
+        assert float(s.loss_scale) == 0.3125  # the floor
+        with pytest.raises(TypeError, match="`init_scale` must be a concrete number"):
+            jax.jit(lambda v: mpfunc.dynamic_scale(init_scale=v).init({}))(2.0)
+
+
+class TestSignedZerosSurviveASkip:
+    @pytest.mark.parametrize("make", [
+        lambda: mpfunc.dynamic_scale(adam(1e-2)),
+        lambda: mpfunc.chain(mpfunc.dynamic_scale(), adam(1e-2)),
+        lambda: mpfunc.static_scale(4.0, lenient(optax.sgd(0.1, momentum=0.9))),
+    ])
+    def test_every_bit_is_left_alone(self, make):
+        opt = make()
+        params = {"w": jnp.array([-0.0, 0.0, -1.0, 2.0]), "h": jnp.array([-0.0, 1.0], jnp.float16)}
+        state = opt.init(params)
+        bad = {"w": jnp.array([1.0, jnp.inf, 1.0, 1.0]), "h": jnp.ones((2,), jnp.float16)}
+        u, state = jax.jit(opt.update)(bad, state, params)
+        new = optax.apply_updates(params, u)
+        for k in params:
+            a, b = np.asarray(new[k]), np.asarray(params[k])
+            np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
+
+    def test_master_weights_zero_step_keeps_negative_zero(self):
+        params = {"w": jnp.array([-0.0, 0.0, 1.0], jnp.float16)}
+        opt = mpfunc.master_weights(optax.sgd(1.0))
+        u, _ = opt.update({"w": jnp.zeros((3,), jnp.float16)}, opt.init(params), params)
+        new = np.asarray(optax.apply_updates(params, u)["w"])
+        np.testing.assert_array_equal(new.view(np.uint16),
+                                      np.asarray(params["w"]).view(np.uint16))
+
+
+# --- adapted from jmp's loss_scale_test (jmp/_src/loss_scale_test.py) -------------------
+
+def _run_rule(opt, finite_seq, state=None):
+    state = opt.init({}) if state is None else state
+    step = jax.jit(opt.update)
+    out = []
+    for finite in finite_seq:
+        _, state = step({"g": jnp.asarray(1.0 if finite else jnp.inf)}, state)
+        out.append(state)
+    return out
+
+
+class TestFromJmp:
+    @pytest.mark.parametrize("period, factor", [(20, 2), (30, 3)])
+    def test_adjust_increases_on_finite(self, period, factor):
+        opt = mpfunc.dynamic_scale(init_scale=10.0, growth_interval=period,
+                                   growth_factor=factor, backoff_factor=1 / factor)
+        states = _run_rule(opt, [True] * period)
+        for i, s in enumerate(states[:-1], start=1):
+            assert float(s.loss_scale) == 10 and int(s.growth_tracker) == i
+        assert float(states[-1].loss_scale) == 10 * factor  # wraps
+        assert int(states[-1].growth_tracker) == 0
+
+    @pytest.mark.parametrize("period, factor, min_scale", [
+        (20, 2, None), (30, 3, None), (20, 2, 0.3125), (30, 3, 0.37)])
+    def test_adjust_reduces_on_non_finite_down_to_the_floor(self, period, factor, min_scale):
+        opt = mpfunc.dynamic_scale(init_scale=np.float32(10), growth_interval=period,
+                                   growth_factor=factor, backoff_factor=1 / factor,
+                                   min_scale=min_scale)
+        floor = 1.0 if min_scale is None else min_scale
+        states = _run_rule(opt, [False] * 100)
+        for i, s in enumerate(states):
+            np.testing.assert_allclose(float(s.loss_scale), max(floor, 10 / factor ** (i + 1)),
+                                       rtol=1e-5)
+            assert int(s.growth_tracker) == 0
+
+    def test_a_zero_floor_is_refused(self):
+        # jmp accepts min_loss_scale=0 (its 3rd parametrisation); ours must stay normal.
+        with pytest.raises(ValueError, match="`min_scale`"):
+            mpfunc.dynamic_scale(init_scale=10.0, min_scale=0.0)
+
+    @pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+    def test_all_finite(self, bad):
+        assert bool(mpfunc.all_finite(None)) and bool(mpfunc.all_finite({}))
+        assert not bool(mpfunc.all_finite({"a": jnp.array(bad)}))
+        assert not bool(mpfunc.all_finite({"a": jnp.ones([]), "b": jnp.array(bad)}))
+        assert not bool(mpfunc.all_finite({"a": jnp.array(bad), "b": jnp.ones([])}))
+        assert bool(mpfunc.all_finite({"a": jnp.ones([]), "b": jnp.ones([])}))
+
+    @given(seqs)
+    def test_jmp_preset_is_jmp_dynamic_loss_scale_bit_for_bit(self, seq):
+        import jmp
+
+        @jax.jit
+        def jmp_run(seq):
+            def body(carry, finite):
+                ls = jmp.DynamicLossScale(*carry)  # jmp's README form, period 2000
+                ls = ls.adjust(finite)
+                return (ls.loss_scale, ls.counter), ls.loss_scale
+
+            init = (jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32))
+            return jax.lax.scan(body, init, seq)[1]
+
+        n = len(seq)
+        padded = jnp.asarray(list(seq) + [True] * (MAX_STEPS - n))
+        with jax.numpy_dtype_promotion("standard"):  # jmp multiplies an int by a bool
+            ref = np.asarray(jmp_run(padded))[:n]
+        assert_bitwise(trajectory(dict(preset="jmp"), seq), ref)
+
+    def test_jmp_preset_with_a_short_period_matches_jmp(self):
+        import jmp
+
+        seq = [True] * 7 + [False] * 3 + [True] * 12 + [False] + [True] * 9
+        ls = jmp.DynamicLossScale(jnp.float32(2.0**15), period=5)
+        ref = []
+        with jax.numpy_dtype_promotion("standard"):
+            for finite in seq:
+                ls = ls.adjust(jnp.bool_(finite))
+                ref.append(float(ls.loss_scale))
+        assert list(trajectory(dict(preset="jmp", growth_interval=5), seq)) == ref

@@ -71,7 +71,7 @@ def run(mode, cfg, optimizer=None, steps=80):
 MODES = [("torch", {}), ("torch", {"dtype": "bfloat16"}), ("bf16", {}),
          ("naive", {"initial_scale": 2.0**16}), ("apex", {"opt_level": "O0"}),
          ("apex", {"opt_level": "O1"}), ("apex", {"opt_level": "O2"}),
-         ("apex", {"opt_level": "O3"})]
+         ("apex", {"opt_level": "O3"}), ("fp8", {})]
 IDS = [f"{m}-{c.get('opt_level', c.get('dtype', ''))}" for m, c in MODES]
 _REF = {}
 
@@ -107,6 +107,7 @@ def test_param_and_compute_dtypes_per_mode():
         ("apex", "O2"): (F16, F32),  # norm params stay float32
         ("apex", "O3"): (F16, F16),
         ("bf16", ""): (F32, F32),
+        ("fp8", ""): (F32, F32),
     }
     for (mode, level), (w_dtype, norm_dtype) in expect.items():
         cfg = {"opt_level": level} if mode == "apex" else {}
@@ -175,7 +176,7 @@ def test_injected_inf_skips_in_every_scaled_mode():
 
 
 @pytest.mark.parametrize("mode, cfg, match", [
-    ("fp8", {}, "`mode` must be one of"),
+    ("fp4", {}, "`mode` must be one of"),
     ("torch", {"hysteresis": 2}, "unknown config key"),
     ("apex", {"opt_level": "O9"}, "`opt_level` must be one of"),
     ("naive", {"min_scale": 4.0, "max_scale": 2.0, "initial_scale": 2.0}, "`min_scale`"),

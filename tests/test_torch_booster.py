@@ -145,7 +145,7 @@ def test_boost_errors():
     with pytest.raises(ValueError, match="`lr_scheduler`.*not the `optimizer` given"):
         mpfunc_torch.boost(net, other, crit, loader, sched, mixed_precision="fp16")
     with pytest.raises(ValueError, match="must be one of .* or a config object"):
-        mpfunc_torch.boost(net, opt, crit, mixed_precision="fp8")
+        mpfunc_torch.boost(net, opt, crit, mixed_precision="fp4")
 
 
 @pytest.mark.parametrize("mixed_precision", [

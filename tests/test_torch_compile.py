@@ -11,10 +11,17 @@ from torch_task import ALL_MODES, CharMLP, batches, ids, is_o3, make_model, make
 
 import mpfunc_torch
 
-pytestmark = pytest.mark.filterwarnings(
-    # dynamo's own notice when a test process compiles more than its cache limit.
-    "ignore:.*torch._dynamo hit config.*:UserWarning"
-)
+pytestmark = [
+    pytest.mark.filterwarnings(
+        # dynamo's own notice when a test process compiles more than its cache limit.
+        "ignore:.*torch._dynamo hit config.*:UserWarning"),
+    pytest.mark.filterwarnings(
+        # dynamo traces an autograd.Function (the fp8 mode's Fp8Linear) by instantiating
+        # the base Function under catch_warnings(record=True), which does not reset an
+        # "error" filter (torch/_dynamo/side_effects.py, track_object_new).
+        "ignore:<class 'torch.autograd.function.Function'> should not be instantiated"
+        ":DeprecationWarning"),
+]
 
 
 def probe(net):
@@ -132,3 +139,25 @@ def test_o1_compiles_a_huggingface_llama_in_one_graph():
             losses[compiled].append(out.loss.item())
     assert counter.frame_count == 1 and type(out).__name__ == "CausalLMOutputWithPast"
     torch.testing.assert_close(losses[True], losses[False], rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_delayed_compiles_to_one_graph_and_keeps_the_same_histories():
+    # Delayed scaling updates its amax histories and scales in place inside the graph;
+    # the compiled model records exactly what the eager one does.
+    data = batches(3, batch=32)
+    runs = {}
+    for compiled in (False, True):
+        net = make_model()
+        model, opt, crit = convert(net, "fp8", {"recipe": "delayed"})
+        counter = CompileCounterWithBackend("aot_eager")
+        run_model = torch.compile(model, backend=counter, fullgraph=True) if compiled else model
+        losses = run(run_model, opt, crit, data)
+        buffers = {k: v.clone() for k, v in net.state_dict().items() if ".fp8_" in k}
+        runs[compiled] = losses, buffers
+    assert counter.frame_count == 1
+    (eager_losses, eager_buf), (losses, buf) = runs[False], runs[True]
+    assert eager_buf.keys() == buf.keys() and len(buf) == 12  # 2 linears x 3 roles x 2
+    for k in buf:
+        assert torch.equal(buf[k], eager_buf[k]), k
+    assert (buf["fc1.fp8_amax_history_input"][:3] > 0).all()  # three steps recorded
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses))

@@ -173,16 +173,7 @@ def test_ddp_in_either_order_averages_gradients_or_says_the_right_order(ddp_orde
             assert other == good, key
 
 
-_MASTERS_GAP = pytest.mark.xfail(
-    strict=True,
-    reason="known gap: float32 masters are made at conversion, so DDP's broadcast of rank "
-    "0's weights reaches the half params but not the masters; ranks must start from the "
-    "same weights (same seed) until the optimizer re-seeds masters from params changed "
-    "outside it")
-
-
-@pytest.mark.parametrize("key", [k if k not in ("naive", "apex-O2") else
-                                 pytest.param(k, marks=_MASTERS_GAP) for k in DDP_CASES])
+@pytest.mark.parametrize("key", list(DDP_CASES))
 def test_ddp_broadcast_after_conversion_reaches_what_trains(ddp_orders, key):
     r0, r1 = ddp_orders
     assert r0[key]["convert_then_ddp_rank_init"] == r1[key]["convert_then_ddp_rank_init"]

@@ -85,6 +85,51 @@ def test_loading_pretrained_weights_after_conversion_moves_the_masters(mode, cfg
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode, cfg", MASTER_MODES, ids=master_ids)
+def test_in_place_writes_to_params_after_conversion_reach_the_masters(mode, cfg):
+    # What DDP's broadcast of rank 0's weights does when DDP wraps the converted model,
+    # and what a user's `with torch.no_grad(): p.copy_(...)` does.
+    new = tiny_model(seed=1)
+    net = tiny_model(seed=0)
+    model, opt, crit = _convert(net, mode, cfg)
+    with torch.no_grad():
+        for p, q in zip(net.parameters(), new.parameters()):
+            p.copy_(q)
+    assert opt.state_dict()["master_weights"][0].equal(
+        next(new.parameters()).detach().half().float())  # a checkpoint sees the write
+    _steps(model, opt, crit)
+    ref = tiny_model(seed=1)  # the written (half) values, converted directly
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.half().float())
+    ref_model, ref_opt, ref_crit = _convert(ref, mode, cfg)
+    _steps(ref_model, ref_opt, ref_crit)
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    for (_, a), (_, b) in zip(opt._pairs, ref_opt._pairs):
+        assert torch.equal(a, b)
+    # The optimizer's own steps are not outside writes: the masters keep their bits.
+    assert any(not torch.equal(m, p.float()) for p, m in opt._pairs)
+
+
+def test_a_written_param_is_the_truth_but_loads_keep_master_bits():
+    # A write in place (as DDP's broadcast on its source rank, same values) makes the
+    # master exactly the half value, so every rank's masters agree; a float32 load
+    # after it keeps the loaded bits (the load hook marks the write as followed).
+    net = tiny_model(seed=0)
+    model, opt, crit = _convert(net, "naive", {"initial_scale": 2.0**10})
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(p.clone())
+    opt.state_dict()  # syncs before saving
+    assert all(torch.equal(m, p.float()) for p, m in opt._pairs)
+    pretrained = tiny_model(seed=1).state_dict()
+    model.load_state_dict(pretrained)
+    opt.state_dict()
+    for (_, m), v in zip(opt._pairs, pretrained.values()):
+        assert torch.equal(m, v)  # float32 bits, not float16 roundings
+
+
 def test_submodule_load_and_assign_true_also_move_the_masters():
     pretrained = tiny_model(seed=1)
     net = tiny_model(seed=0)

@@ -141,6 +141,7 @@ def test_a_deep_copy_of_a_converted_module_is_independent():
     ("apex", {"opt_level": "O3", "verbosity": 0}),
     ("torch", {}),
     ("naive", {}),
+    ("fp8", {"recipe": "delayed"}),  # Fp8Linear with its history buffers
 ])
 def test_a_converted_model_pickles_whole(mode, cfg, tmp_path):
     net = TupleNet()

@@ -130,7 +130,7 @@ class TestErrors:
 
     @pytest.mark.parametrize("mode", ["Torch2", "", 3])  # None means the default, "torch"
     def test_unknown_mode(self, mode):
-        with pytest.raises(ValueError, match="`mode` must be one of \\['torch', 'apex', 'naive', 'bf16'\\]"):
+        with pytest.raises(ValueError, match="`mode` must be one of \\['torch', 'apex', 'naive', 'bf16', 'fp8'\\]"):
             self.convert(mode)
 
     def test_unknown_opt_level(self):

@@ -59,6 +59,7 @@ ALL_MODES = [
     ("apex", {"opt_level": "O3", "verbosity": 0}),
     ("naive", {"initial_scale": 2.0**16}),
     ("bf16", {}),
+    ("fp8", {}),  # bf16 with the Linear matmuls in fp8 (tensorwise)
 ]
 ids = [f"{m}-{c.get('opt_level', c.get('dtype', ''))}" for m, c in ALL_MODES]
 

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from mpfunc._src.loss_scale import _varying_axes
+from mpfunc._src.distributed import _varying_axes
 
 __all__ = ["clip_by_global_norm", "global_norm"]
 

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpfunc._src.loss_scale import as_transformation
+
 __all__ = ["MasterWeightsState", "master_weights"]
 
 
@@ -51,7 +53,8 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
     and a skipped step leaves the masters (part of this state) untouched.
 
     Args:
-      inner: the optimizer to run on the float32 masters.
+      inner: the optimizer to run on the float32 masters (an optax transformation, or an
+        ``optax.MultiSteps``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a `MasterWeightsState`.
@@ -68,10 +71,7 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
       >>> round(float(params["w"][0]), 3)  # plain float16 SGD would still be at 1.0
       0.99
     """
-    if not isinstance(inner, optax.GradientTransformation | optax.GradientTransformationExtraArgs):
-        raise TypeError("`inner` must be an optax GradientTransformation, got "
-                        f"{type(inner).__name__}.")
-    inner = optax.with_extra_args_support(inner)
+    inner = as_transformation(inner)
 
     def init_fn(params):
         master = _to_f32(params)
@@ -92,7 +92,10 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
                 return u
             if p.dtype == jnp.float32:
                 return u.astype(jnp.float32)
-            return (m_new.astype(p.dtype) - p).astype(p.dtype)
+            d = (m_new.astype(p.dtype) - p).astype(p.dtype)
+            # A zero step is -0.0, so that a parameter whose rounded master did not
+            # move keeps every bit (p + -0.0 == p, where -0.0 + +0.0 would be +0.0).
+            return jnp.where(d == 0, jnp.asarray(-0.0, p.dtype), d)
 
         out = jax.tree_util.tree_map(emit, params, inner_updates, new_master)
         return out, MasterWeightsState(master_params=new_master, inner_state=inner_state)

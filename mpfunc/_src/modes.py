@@ -14,7 +14,9 @@ import optax
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc._src.autocast import autocast, half_model
-from mpfunc._src.loss_scale import _scale_transform
+from mpfunc._src.distributed import check_axis_name
+from mpfunc._src.fp8_convert import fp8_mode_apply
+from mpfunc._src.loss_scale import _scale_transform, as_transformation
 from mpfunc._src.master_weights import master_weights
 from mpfunc._src.policy import Policy
 
@@ -94,17 +96,6 @@ def _cast_tree(tree, dtype, keep: Callable | None):
     return jax.tree_util.tree_map_with_path(f, tree)
 
 
-def _check_axis_name(axis_name: Any) -> None:
-    names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
-    if axis_name is None:
-        return
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise TypeError(
-            "`axis_name` must be None, a mesh axis name (a non-empty str) or a tuple of "
-            f"them, got {type(axis_name).__name__}: {axis_name!r}. Pass the names your "
-            "`shard_map`/`pmap` uses, e.g. axis_name='data' or ('data', 'model').")
-
-
 def convert_to_amp(
     apply_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -131,6 +122,9 @@ def convert_to_amp(
                                                 (hysteresis 2)
     bf16    float32                 autocast    none (non-finite     no
                                     bf16        steps still skipped)
+    fp8     float32                 as bf16;    none, as bf16        no
+                                    dense
+                                    matmuls fp8
     ======  ======================  ==========  ===================  =================
 
     ``apply_fn(params, *args, **kwargs)`` is wrapped: with autocast modes it runs under
@@ -139,15 +133,20 @@ def convert_to_amp(
     params `is_norm` selects stay float32; an op applying one to an activation runs in
     float32 and returns the compute dtype (a norm's output goes back to half precision,
     as the torch side's norm hooks do), and matmuls run in the compute dtype with float32
-    accumulation, whatever upcast reached them.
+    accumulation, whatever upcast reached them. In fp8 the dense matmuls
+    (`mpfunc.convert_to_fp8`) run in fp8 with ``recipe``; with delayed scaling
+    ``apply_fn`` takes ``fp8_state=`` (``amp.apply_fn.init(params, *args)``), whose
+    gradient is the next step's state; ``axis_name`` also MAX-reduces the per-tensor
+    amaxes.
 
     Args:
       apply_fn: ``apply_fn(params, *args, **kwargs)``.
       optimizer: the optax optimizer, e.g. ``optax.adamw(1e-3)``.
-      mode: ``"torch"``, ``"apex"``, ``"naive"`` or ``"bf16"``; None means ``"torch"``.
+      mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or ``"fp8"``; None means
+        ``"torch"``.
         A Booster name or config object is accepted here too.
       mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
-        ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, or a config
+        ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, ``"fp8"``, or a config
         object such as ``mpfunc.FP16NaiveMixedPrecision(hysteresis=3)`` (hashable, so it
         can be a static ``jit`` argument). Each means exactly the same mode and keys.
       is_norm: ``(path, leaf) -> bool`` marking normalisation params (O2).
@@ -171,15 +170,13 @@ def convert_to_amp(
     """
     if not callable(apply_fn):
         raise TypeError(f"`apply_fn` must be callable, got {type(apply_fn).__name__}.")
-    if not isinstance(optimizer, optax.GradientTransformation | optax.GradientTransformationExtraArgs):
-        raise TypeError("`optimizer` must be an optax GradientTransformation, got "
-                        f"{type(optimizer).__name__}.")
+    optimizer = as_transformation(optimizer, "optimizer")
     if not callable(is_norm):
         raise TypeError("`is_norm` must be a callable `(path, leaf) -> bool` marking "
                         f"normalisation params, got {type(is_norm).__name__}: {is_norm!r}. "
                         "Use the default `mpfunc.is_norm_param` or e.g. "
                         "`lambda path, leaf: 'ln' in jax.tree_util.keystr(path)`.")
-    _check_axis_name(axis_name)
+    axis_name = check_axis_name(axis_name)
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
     if plan.num_losses != 1:
         raise ValueError(
@@ -208,7 +205,10 @@ def convert_to_amp(
     def cast_params(params):
         return _cast_tree(params, param_dtype, keep)
 
-    if plan.autocast_dtype is not None:
+    if plan.fp8_recipe is not None:  # bf16 autocast, dense matmuls in fp8
+        wrapped = fp8_mode_apply(apply_fn, plan.fp8_recipe, compute, policy.cast_to_output,
+                                 axis_name)
+    elif plan.autocast_dtype is not None:
         inner_apply = autocast(apply_fn, compute_dtype=compute)
 
         def wrapped(params, *args, **kwargs):

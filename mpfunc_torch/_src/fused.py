@@ -6,6 +6,8 @@
   runs a second, check-only pass (``inv_scale`` 1) after unscaling.
 * ``torch._amp_update_scale_``: torch's one-kernel GradScaler update, used only where it
   computes exactly our rule (see `mpfunc_torch._src.loss_scale`).
+* ``torch._scaled_mm``: the fp8 GEMM (cuBLASLt) of the fp8 mode's linears on CUDA with
+  compute capability >= 8.9 (`scaled_mm`); CPU has a reference kernel, used in tests.
 
 Both exist on CPU and CUDA in every torch this project supports (>= 2.11). Sparse
 gradients are handled through their (coalesced) values, complex ones through their
@@ -27,6 +29,9 @@ __all__ = [
     "step_with_found_inf_",
     "is_fused_sgd_with_momentum",
     "fused_sgd_first_step_pending",
+    "scaled_mm",
+    "scaled_mm_available",
+    "scaled_mm_fits",
 ]
 
 
@@ -150,3 +155,49 @@ def step_with_found_inf_(optimizer: torch.optim.Optimizer, grad_scale, found_inf
         optimizer.step()
     finally:
         optimizer.grad_scale, optimizer.found_inf = None, None
+
+
+# ------------------------------------------------------------------ torch._scaled_mm
+def scaled_mm_available(device: torch.device) -> bool:
+    """True on CUDA devices with compute capability >= 8.9 (Ada, Hopper and newer)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequantize_fp8(a) @ dequantize_fp8(b).T`` on ``torch._scaled_mm`` (the one call site).
+
+    ``a`` is ``(M, K)`` and ``b`` ``(N, K)``, both fp8 with the contraction dim last;
+    ``a_scale``/``b_scale`` are `quantize_fp8`'s scales: 0-dim (tensorwise) or ``(M, 1)`` /
+    ``(N, 1)`` (rowwise). ``_scaled_mm`` wants a row-major ``a``, a column-major second
+    operand (``b.T`` of a row-major ``b``) and the reciprocal scales; rowwise needs a
+    bfloat16 output, so another ``out_dtype`` is that bfloat16 result cast; a bias is
+    fused only into a 16-bit output.
+    """
+    a = a.contiguous()
+    b = b.contiguous()
+    inv_a = torch.reciprocal(a_scale.to(torch.float32))
+    inv_b = torch.reciprocal(b_scale.to(torch.float32))
+    rowwise = a_scale.dim() > 0
+    if rowwise:
+        inv_a = inv_a.reshape(-1, 1).contiguous()
+        inv_b = inv_b.reshape(1, -1).contiguous()
+    mm_dtype = torch.bfloat16 if rowwise else out_dtype
+    # cuBLASLt takes a bias only in a 16-bit type; a float32 result adds it afterwards.
+    fused_bias = bias is not None and mm_dtype in (torch.bfloat16, torch.float16)
+    out = torch._scaled_mm(a, b.t(), inv_a, inv_b, out_dtype=mm_dtype,
+                           bias=bias.to(mm_dtype) if fused_bias else None)
+    if bias is not None and not fused_bias:
+        out = out + bias.to(out.dtype)
+    return out.to(out_dtype)
+
+
+def scaled_mm_fits(a: torch.Tensor, b: torch.Tensor, block, out_dtype) -> bool:
+    """Whether `scaled_mm` takes these fp8 operands (``block``: the recipe's, for ``a``)."""
+    if block is not None and block != (1, None):
+        return False  # blockwise: emulated (its cuBLAS kernels are not wrapped yet)
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        return False  # cuBLASLt has no e5m2 x e5m2 GEMM (format="e5m2"): emulated
+    k, n = a.shape[1], b.shape[0]
+    return k % 16 == 0 and n % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16, torch.float32)

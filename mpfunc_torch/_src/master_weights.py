@@ -25,6 +25,8 @@ __all__ = [
     "copy_masters_to_model_",
     "release_master_grads_",
     "follow_model_loads",
+    "model_versions",
+    "follow_model_writes_",
     "check_saved_masters",
 ]
 
@@ -34,8 +36,11 @@ Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
 def make_masters(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, nn.Parameter]:
     """One float32 master per optimizer param, keyed by ``id(param)``; call before the
     model is cast. The master aliases the float32 storage the model is about to drop:
-    exact values and no extra copy. A tied param is one object, so it gets one master."""
-    return {id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+    exact values and no extra copy. A tied param is one object, so it gets one master.
+    Built from ``p.data``, not ``p.detach()``: the master must not share the param's
+    version counter, or every step on the master would look like an outside write to
+    the param (`follow_model_writes_`)."""
+    return {id(p): nn.Parameter(p.data, requires_grad=p.requires_grad)
             for opt in optimizers for g in opt.param_groups for p in g["params"]}
 
 
@@ -103,7 +108,32 @@ def release_master_grads_(pairs: Pairs) -> None:
         m.grad = None
 
 
-def follow_model_loads(model: nn.Module, pairs: Pairs) -> list[Any]:
+def model_versions(pairs: Pairs) -> dict[int, int]:
+    """The version counters of the model params, by ``id``. Every in-place write bumps
+    them except ours: `copy_masters_to_model_` writes through ``.data``, which does not."""
+    return {id(p): p._version for p, _ in pairs}
+
+
+@torch.no_grad()
+def follow_model_writes_(pairs: Pairs, versions: dict[int, int]) -> None:
+    """Re-seeds, exactly from the param, the master of every param written in place
+    since ``versions`` was taken, and updates ``versions``.
+
+    The written half value is the truth: on every DDP rank the master becomes exactly
+    the broadcast value, so the ranks' masters agree bit for bit (a master's extra
+    float32 bits cannot travel with a half-precision broadcast). Loads through
+    ``load_state_dict`` are handled more finely by `follow_model_loads`. Cost when
+    nothing was written: one integer comparison per param, no device work.
+    """
+    for p, m in pairs:
+        v = p._version
+        if v != versions.get(id(p)):
+            m.copy_(p)
+            versions[id(p)] = v
+
+
+def follow_model_loads(model: nn.Module, pairs: Pairs,
+                       versions: dict[int, dict[int, int]]) -> list[Any]:
     """Makes every ``load_state_dict`` on ``model`` (or any submodule) move the masters.
 
     For each loaded param that has a master: a value of higher precision than the param
@@ -112,7 +142,10 @@ def follow_model_loads(model: nn.Module, pairs: Pairs) -> list[Any]:
     only where the master does not already round to it, so loading a converted model's
     checkpoint next to its optimizer checkpoint keeps the masters' extra bits, whatever
     the order of the two loads. ``assign=True`` is turned into a copy, so the optimizer
-    keeps stepping the model's params. Returns the hook handles.
+    keeps stepping the model's params. ``versions`` maps ``id(param)`` to the version
+    table (`model_versions`) of the optimizer that steps it; a load marks the param as
+    followed there, so `follow_model_writes_` leaves the loaded master alone. Returns the
+    hook handles.
     """
     master_of = {id(p): m for p, m in pairs}
     handles = []
@@ -121,7 +154,8 @@ def follow_model_loads(model: nn.Module, pairs: Pairs) -> list[Any]:
                    if p is not None and id(p) in master_of}
         if not masters:
             continue
-        follower = _LoadFollower(masters)
+        tables = {n: versions[id(p)] for n, p in module._parameters.items() if n in masters}
+        follower = _LoadFollower(masters, tables)
         handles.append(module.register_load_state_dict_pre_hook(follower.pre))
         handles.append(module.register_load_state_dict_post_hook(follower.post))
     return handles
@@ -131,12 +165,13 @@ class _LoadFollower:
     """The load hooks of one module: a module-level class (not closures), so a converted
     model still pickles whole (``torch.save(model)``)."""
 
-    def __init__(self, masters: dict[str, torch.Tensor]):
+    def __init__(self, masters: dict[str, torch.Tensor], versions: dict[str, dict[int, int]]):
         self.masters = masters  # param name -> its master
+        self.versions = versions  # param name -> its optimizer's version table
         self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __getstate__(self):
-        return {"masters": self.masters, "seen": {}}
+        return {"masters": self.masters, "versions": self.versions, "seen": {}}
 
     def pre(self, mod, state_dict, prefix, *_):
         self.seen.clear()
@@ -148,6 +183,7 @@ class _LoadFollower:
     def post(self, mod, _incompatible):
         for n, (param, value) in self.seen.items():
             _follow(mod, n, param, value, self.masters[n])
+            self.versions[n][id(param)] = param._version
         self.seen.clear()
 
 

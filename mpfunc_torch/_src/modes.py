@@ -12,6 +12,7 @@ from torch import nn
 from _mpfunc_common.amp_config import resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc_torch._src.distributed import normalize_groups
+from mpfunc_torch._src.fp8_convert import convert_to_fp8
 from mpfunc_torch._src.master_weights import (
     follow_model_loads,
     keep_half_masters,
@@ -40,6 +41,7 @@ class AMP_TYPE(str, enum.Enum):  # noqa: N801 - the name users know from Colossa
     APEX = "apex"
     NAIVE = "naive"
     BF16 = "bf16"
+    FP8 = "fp8"
 
 
 def _device_of(model: nn.Module, requested: Any) -> torch.device:
@@ -142,6 +144,9 @@ def convert_to_amp(
             hysteresis, max_scale, clip_grad, verbose.
     bf16    ``torch.autocast`` to bfloat16, no loss scaling (non-finite steps are still
             skipped).
+    fp8     bf16, with every ``nn.Linear`` swapped for an `Fp8Linear` (see
+            `convert_to_fp8`): its three matmuls run in fp8 with ``recipe`` (a preset
+            name or an `Fp8Recipe`; default ``"tensorwise"``). Key: recipe.
     ======  =========================================================================
 
     The loss-scale rule is ``mpfunc.dynamic_scale``'s (see `LossScaler`), so given the
@@ -157,7 +162,7 @@ def convert_to_amp(
       mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or an `AMP_TYPE`; None
         means ``"torch"``. A Booster name or config object is accepted here too.
       mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
-        ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, or a config
+        ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, ``"fp8"``, or a config
         object such as ``FP16NaiveMixedPrecision(hysteresis=3)``. Each means exactly
         the same mode and keys.
       process_group: a ``ProcessGroup`` or a sequence of them: the groups the model is
@@ -171,7 +176,10 @@ def convert_to_amp(
         is harmless for the skip but would count its averaged gradients N times in
         the clipping norm). FSDP2 / tensor parallelism go first: shard, build the
         optimizer over the sharded params, then convert, before the first forward
-        (the other order is refused at the first forward).
+        (the other order is refused at the first forward). In the fp8 mode with
+        per-tensor recipes (tensorwise, delayed) the amaxes are MAX-reduced over these
+        groups too: pass the data-parallel group so every rank has the same scales and
+        histories (and then do not use ``clip_grad_norm`` with it, see above).
       device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``, to assert where
         the model runs; None = its params'.
       is_norm: ``(qualified_name, module) -> bool`` choosing the normalisation layers
@@ -256,6 +264,9 @@ def convert_to_amp(
         cast_model(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
         if masters is not None:
             masters = keep_half_masters(masters, optimizers)
+    if plan.enabled and plan.fp8_recipe is not None:
+        per_tensor = plan.fp8_recipe.block("input") is None
+        convert_to_fp8(model, plan.fp8_recipe, process_group=process_group if per_tensor else None)
     _refuse_broken_fused_sgd(optimizers, masters)
     if plan.verbose:
         print(f"mpfunc_torch.convert_to_amp: {plan.describe()}")
@@ -271,7 +282,8 @@ def convert_to_amp(
     ]
     pairs = [pair for opt in amp_opts for pair in opt._pairs]
     if pairs:
-        amp_model._master_hooks = follow_model_loads(model, pairs)
+        versions = {id(p): opt._versions for opt in amp_opts for p, _ in opt._pairs}
+        amp_model._master_hooks = follow_model_loads(model, pairs, versions)
     amp_crit = AmpCriterion(criterion, dev.type) if criterion is not None else None
     out_opt = amp_opts if isinstance(optimizer, list | tuple) else amp_opts[0]
     return amp_model, out_opt, amp_crit

@@ -23,6 +23,8 @@ from mpfunc_torch._src.loss_scale import LossScaler, SharedScale
 from mpfunc_torch._src.master_weights import (
     copy_grads_to_masters_,
     copy_masters_to_model_,
+    follow_model_writes_,
+    model_versions,
     release_master_grads_,
     swap_in_masters_,
 )
@@ -126,6 +128,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         # Owned params are what the inner optimizer steps (float32 masters where there
         # are master weights); each has a source, the model param its gradient comes from.
         self._pairs = swap_in_masters_(optimizer, masters or {})
+        self._versions = model_versions(self._pairs)  # see follow_model_writes_
         # The fused optimizer may unscale inside its kernel: one scale, no master weights,
         # nothing to do between unscaling and the step, and a scale that cannot go below
         # 1 (the kernel would not see an overflow created by unscaling).
@@ -362,6 +365,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self._stage == _READY:
             raise self._not_after_backward("step()")
         self._finish_pending()
+        follow_model_writes_(self._pairs, self._versions)
         scaler = self._scalers[0]
         # torch's fused SGD bug (see fused.fused_sgd_first_step_pending): until the
         # momentum buffers exist, skips are decided on the host.
@@ -443,6 +447,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        follow_model_writes_(self._pairs, self._versions)
         out = checkpoint.save(self)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
@@ -465,6 +470,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         checkpoint.load(self, state_dict)
+        self._versions.update(model_versions(self._pairs))  # in place: the load hooks hold it
         self._pending = None
         self._stage, self._last = _READY, "load_state_dict"
         self._grads_unscaled = False

@@ -1,0 +1,297 @@
+"""What an exact skip costs: peak memory, compile time and step time of a donated step.
+
+Every loss-scaling form (and each ``convert_to_amp`` mode) against the same step without
+it, at three depths of an MLP (width 256, two leaves per layer), all compiled as
+``jax.jit(step, donate_argnums=(0, 1))``, as large models train:
+
+* peak memory: XLA's ``memory_analysis()`` of the compiled step, arguments + outputs +
+  temporaries - aliased (donated) bytes. Deterministic.
+* compile time: ``lower`` + ``compile``, the minimum over ``--compile-repeats``.
+* step time: the fastest of interleaved rounds (A B C ... A B C ...), which on a shared
+  machine is the round no other process interrupted (the median is in the JSON).
+
+    python benchmarks/jax_scale_cost.py [--depths 8 24 96] [--batch 32] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import mpfunc
+from _mpfunc_common.scale_config import resolve_scale_config
+from mpfunc._src.loss_scale import _scale_transform
+
+WIDTH = 256
+LR = 1e-3
+
+
+def init_mlp(depth, width=WIDTH):
+    keys = jax.random.split(jax.random.key(0), depth)
+    layers = {f"dense_{i}": {"w": jax.random.normal(k, (width, width)) / jnp.sqrt(width),
+                             "b": jnp.zeros((width,))} for i, k in enumerate(keys)}
+    layers["LayerNorm_0"] = {"scale": jnp.ones((width,)), "bias": jnp.zeros((width,))}
+    return layers
+
+
+def apply_mlp(params, x):
+    depth = len(params) - 1
+    for i in range(depth):
+        layer = params[f"dense_{i}"]
+        x = jnp.tanh(x @ layer["w"] + layer["b"].astype(x.dtype))
+    ln = params["LayerNorm_0"]
+    x = x.astype(jnp.float32)
+    x = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+    return x * ln["scale"].astype(jnp.float32) + ln["bias"].astype(jnp.float32)
+
+
+def mse(out):
+    return jnp.mean(out.astype(jnp.float32) ** 2)
+
+
+def optax_step(tx, scaled=False, apply_fn=apply_mlp):
+    """A step through one optax transformation (with `scale_loss` when ``scaled``)."""
+
+    def step(params, state, x):
+        def loss_fn(p):
+            loss = mse(apply_fn(p, x))
+            return mpfunc.scale_loss(loss, state) if scaled else loss
+
+        grads = jax.grad(loss_fn)(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return tx.init, step
+
+
+def flax_step(tx):
+    """flax's documented pattern: DynamicScale.value_and_grad, then where over the state."""
+    from flax.training.dynamic_scale import DynamicScale
+
+    def init(params):
+        return tx.init(params), DynamicScale()
+
+    def step(params, state, x):
+        opt_state, ds = state
+        ds, finite, _, grads = ds.value_and_grad(lambda p: mse(apply_mlp(p, x)))(params)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda a, b: jax.tree.map(lambda u, v: jnp.where(finite, u, v), a, b)  # noqa: E731
+        return keep(new_params, params), (keep(new_opt, opt_state), ds)
+
+    return init, step
+
+
+def jmp_step(tx):
+    """jmp's documented pattern: scale, unscale, all_finite, select_tree, adjust."""
+    import jmp
+
+    # jmp's DynamicLossScale cannot be a `lower()` argument under jax 0.10 (its
+    # unflatten validates leaves), so its two arrays travel and it is rebuilt inside.
+    def init(params):
+        return tx.init(params), (jnp.float32(2.0**15), jnp.int32(0))
+
+    def step(params, state, x):
+        opt_state, (scale, counter) = state
+        ls = jmp.DynamicLossScale(scale, counter)
+        grads = jax.grad(lambda p: ls.scale(mse(apply_mlp(p, x))))(params)
+        grads = ls.unscale(grads)
+        finite = jmp.all_finite(grads)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params = jmp.select_tree(finite, new_params, params)
+        opt_state = jmp.select_tree(finite, new_opt, opt_state)
+        ls = ls.adjust(finite)
+        return params, (opt_state, (ls.loss_scale, ls.counter))
+
+    return init, step
+
+
+def helper_step(tx):
+    """mpfunc.value_and_grad (flax-style) feeding the wrapper form."""
+
+    def step(params, state, x):
+        out = mpfunc.value_and_grad(lambda p: mse(apply_mlp(p, x)))(state, params)
+        updates, state = tx.update(out, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return tx.init, step
+
+
+def scaling_variants():
+    """name -> (baseline name, init, step, cast_params)."""
+    adam = optax.adam(LR)
+    cfg = resolve_scale_config("torch")
+    internal = lambda how: _scale_transform(adam, cfg=cfg, static_value=None,  # noqa: E731
+                                            axis_name=None, skip_with=how)
+    ident = lambda p: p  # noqa: E731
+    v = {
+        "plain optax.adam": (None, *optax_step(adam), ident),
+        "optax.apply_if_finite(adam)": ("plain optax.adam",
+                                        *optax_step(optax.apply_if_finite(adam, 10)), ident),
+        "flax DynamicScale + where": ("plain optax.adam", *flax_step(adam), ident),
+        "jmp DynamicLossScale + select_tree": ("plain optax.adam", *jmp_step(adam), ident),
+        "mpfunc.dynamic_scale(adam)": ("plain optax.adam",
+                                       *optax_step(mpfunc.dynamic_scale(adam), True), ident),
+        "mpfunc.value_and_grad + dynamic_scale(adam)": (
+            "plain optax.adam", *helper_step(mpfunc.dynamic_scale(adam)), ident),
+        "mpfunc.static_scale(2**10, adam)": (
+            "plain optax.adam", *optax_step(mpfunc.static_scale(2.0**10, adam), True), ident),
+        "optax.chain(mpfunc.dynamic_scale(), adam)": (
+            "plain optax.adam", *optax_step(optax.chain(mpfunc.dynamic_scale(), adam), True),
+            ident),
+        "select on the outputs (before)": ("plain optax.adam",
+                                           *optax_step(internal("select"), True), ident),
+        "lax.cond": ("plain optax.adam", *optax_step(internal("cond"), True), ident),
+        "optax.MultiSteps(adam, 4)": (None, *optax_step(
+            optax.MultiSteps(adam, 4).gradient_transformation()), ident),
+        "mpfunc.dynamic_scale(MultiSteps(adam, 4))": (
+            "optax.MultiSteps(adam, 4)",
+            *optax_step(mpfunc.dynamic_scale(optax.MultiSteps(adam, 4)), True), ident),
+    }
+    for name, mode, config in (("torch", "torch", {}),
+                               ("apex O1", "apex", {"opt_level": "O1", "verbosity": 0}),
+                               ("apex O2", "apex", {"opt_level": "O2", "verbosity": 0}),
+                               ("naive", "naive", {}), ("bf16", "bf16", {})):
+        amp = mpfunc.convert_to_amp(apply_mlp, adam, mode=mode, **config)
+        # The same mode without loss scaling: same precision, same master weights.
+        bare = mpfunc.master_weights(adam) if amp.plan.master_weights else adam
+        base = f"mode {name}, no loss scaling"
+        v[base] = (None, *optax_step(bare, False, amp.apply_fn), amp.cast_params)
+        v[f"mode {name}"] = (base, *optax_step(amp.optimizer, True, amp.apply_fn),
+                             amp.cast_params)
+    return v
+
+
+def measure(variants, depth, batch, compile_repeats, rounds, iters):
+    params32 = init_mlp(depth)
+    x = jax.random.normal(jax.random.key(1), (batch, WIDTH))
+    rows, runs = {}, {}
+    for name, (base, init, step, cast) in variants.items():
+        # Fresh buffers: donation deletes them, and a state may alias the params.
+        fresh = lambda t: jax.tree.map(  # noqa: E731
+            lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, t)
+        params = fresh(cast(params32))
+        state = fresh(init(params))
+        times = []
+        for _ in range(compile_repeats):
+            jax.clear_caches()  # or the repeats would hit jax's compilation cache
+            t0 = time.perf_counter()
+            compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
+            times.append(time.perf_counter() - t0)
+        m = compiled.memory_analysis()
+        peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                - m.alias_size_in_bytes)
+        rows[name] = {"baseline": base, "peak_bytes": int(peak),
+                      "temp_bytes": int(m.temp_size_in_bytes), "compile_s": min(times)}
+        p, s = compiled(params, state, x)  # warm up
+        jax.block_until_ready((p, s))
+        runs[name] = [compiled, p, s, []]
+    for _ in range(rounds):
+        for run in runs.values():
+            compiled, p, s, t = run
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                p, s = compiled(p, s, x)
+            jax.block_until_ready((p, s))
+            t.append((time.perf_counter() - t0) / iters)
+            run[1], run[2] = p, s
+    for name, row in rows.items():
+        # The minimum over rounds: on a shared machine, the rounds that other processes
+        # did not interrupt. The median is kept too.
+        row["step_ms"] = min(runs[name][3]) * 1e3 if rounds else float("nan")
+        row["step_ms_median"] = statistics.median(runs[name][3]) * 1e3 if rounds else None
+    for row in rows.values():
+        if row["baseline"] is not None:
+            b = rows[row["baseline"]]
+            row["peak_ratio"] = row["peak_bytes"] / b["peak_bytes"]
+            row["compile_ratio"] = row["compile_s"] / b["compile_s"]
+            row["step_ratio"] = row["step_ms"] / b["step_ms"]
+    n_leaves = len(jax.tree_util.tree_leaves(params32))
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params32))
+    return {"depth": depth, "leaves": n_leaves, "params": int(n_params), "rows": rows}
+
+
+def cpu_name():
+    """The CPU's model name and core count (platform.processor() is often empty)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def run(depths, batch, compile_repeats, rounds, iters, only=None):
+    variants = scaling_variants()
+    if only:
+        keep = set(only)
+        keep |= {variants[n][0] for n in only if variants[n][0]}
+        variants = {k: v for k, v in variants.items() if k in keep}
+    return {
+        "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
+                  f"{cpu_name()}",
+        "versions": {"jax": jax.__version__, "optax": optax.__version__},
+        "batch": batch, "width": WIDTH, "compile_repeats": compile_repeats,
+        "rounds": rounds, "iters": iters,
+        "depths": [measure(variants, d, batch, compile_repeats, rounds, iters)
+                   for d in depths],
+    }
+
+
+def to_markdown(r):
+    depths = r["depths"]
+    head = " | ".join(f"{d['depth']} layers ({d['leaves']} leaves)" for d in depths)
+    out = [
+        f"Device: {r['device']}; jax {r['versions']['jax']}, optax {r['versions']['optax']}; "
+        f"MLP width {r['width']}, batch {r['batch']}; donated step. Each cell: peak memory "
+        "/ compile time" + (" / step time" if r["rounds"] else "") + ", as ratios to the "
+        "row's baseline (plain Adam, or the same mode without loss scaling).",
+        "",
+        f"| step | baseline | {head} |",
+        "| --- | --- | " + " | ".join("---" for _ in depths) + " |",
+    ]
+    for name, row0 in depths[0]["rows"].items():
+        cells = []
+        for d in depths:
+            row = d["rows"][name]
+            timed = r["rounds"] > 0
+            if row["baseline"] is None:
+                cells.append(f"{row['peak_bytes'] / 2**20:.1f} MiB / {row['compile_s']:.2f} s"
+                             + (f" / {row['step_ms']:.2f} ms" if timed else ""))
+            else:
+                cells.append(f"{row['peak_ratio']:.3f}x / {row['compile_ratio']:.2f}x"
+                             + (f" / {row['step_ratio']:.2f}x" if timed else ""))
+        out.append(f"| {name} | {row0['baseline'] or '-'} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depths", type=int, nargs="+", default=[8, 24, 96])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--compile-repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=15, help="0: no step timing")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--only", nargs="*", default=None, help="variant names (and baselines)")
+    ap.add_argument("--json", default=None, help="also write the result here")
+    args = ap.parse_args(argv)
+    r = run(args.depths, args.batch, args.compile_repeats, args.rounds, args.iters, args.only)
+    print(to_markdown(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return r
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""`convert_to_fp8`: run the dense-layer matmuls of a JAX function in fp8.
+
+The JAX mirror of ``mpfunc_torch.convert_to_fp8``. A function is traced and its program
+re-evaluated op by op (as `mpfunc.autocast` does); every ``dot_general`` that multiplies
+an activation by a *parameter* (a leaf of the first argument, possibly transposed,
+reshaped or cast on the way) with one contraction dimension and no batch dimensions
+becomes an `mpfunc.fp8_dot`. Attention's activation-by-activation products, norms,
+softmax and everything else run as written (or under autocast's rules in the fp8 AMP
+mode).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from _mpfunc_common.fp8 import resolve_recipe
+from mpfunc._src.autocast import AutocastLists, _Rules
+from mpfunc._src.fp8 import AxisName, Fp8DotState, fp8_dot, fp8_dot_state
+from mpfunc._src.rewrite import INLINE, Literal, Rewriter
+
+__all__ = ["Fp8Function", "convert_to_fp8", "fp8_mode_apply"]
+
+# Ops that keep "this value is a parameter" (layout and dtype changes only).
+_LAYOUT = frozenset({"convert_element_type", "transpose", "reshape", "squeeze",
+                     "expand_dims", "copy", "copy_p", "optimization_barrier"})
+
+
+class _Fp8Rewriter(_Rules):
+    """Evaluates a jaxpr (the `rewrite.Rewriter` engine), turning dense dots into fp8
+    dots. A variable's tag is the path of the parameter it is a view of. Every other op
+    runs under autocast's rules (the AMP mode, ``compute_dtype`` given) or as written.
+    """
+
+    def __init__(self, recipe, axis_name, state, compute_dtype):
+        super().__init__(compute_dtype if compute_dtype is not None else np.float32,
+                         AutocastLists())
+        self.autocast = compute_dtype is not None
+        self.recipe, self.axis_name, self.state = recipe, axis_name, state
+        self.sites: list[str] = []
+
+    def tags(self, jaxpr, in_tags):
+        path = {v: t for v, t in zip(jaxpr.invars, in_tags) if t is not None}
+        for eqn in jaxpr.eqns:
+            name, params = eqn.primitive.name, eqn.params
+            ins = [None if isinstance(v, Literal) else path.get(v) for v in eqn.invars]
+            if name in INLINE and hasattr(params.get("jaxpr"), "jaxpr"):
+                _, out = self.tags(params["jaxpr"].jaxpr, ins)
+                path.update({v: t for v, t in zip(eqn.outvars, out) if t is not None})
+            elif name in _LAYOUT and ins and ins[0] is not None:
+                path[eqn.outvars[0]] = ins[0]
+        return path, [None if isinstance(v, Literal) else path.get(v) for v in jaxpr.outvars]
+
+    @staticmethod
+    def _sub_tags(n_in, tags):
+        # Control flow and custom-derivative bodies see no parameters: their matmuls
+        # stay as the rules have them (a parameter sliced in a loop is not a leaf).
+        return [None] * n_in
+
+    def rule(self, eqn, invals, tags):
+        if eqn.primitive.name == "dot_general":
+            out = self._dense(eqn, invals, tags)
+            if out is not None:
+                return out
+        if self.autocast:
+            return super().rule(eqn, invals, tags)
+        return Rewriter.rule(self, eqn, invals, tags)
+
+    def _dense(self, eqn, invals, tags):
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if lb or rb or len(lc) != 1 or len(rc) != 1:
+            return None
+        is_param = [t is not None for t in tags]
+        if is_param.count(True) != 1:
+            return None
+        w_idx = is_param.index(True)
+        w, x = invals[w_idx], invals[1 - w_idx]
+        if w.ndim != 2 or not all(jnp.issubdtype(v.dtype, jnp.floating) for v in invals):
+            return None
+        cw, cx = (lc, rc)[w_idx][0], (lc, rc)[1 - w_idx][0]
+        path = tags[w_idx]
+        key = path
+        n = 1
+        while key in self.sites:
+            key, n = f"{path}#{n}", n + 1
+        self.sites.append(key)
+        state = None
+        if self.recipe.delayed:
+            if self.state is None:  # discovery (init), or a call without state
+                state = fp8_dot_state(self.recipe)
+            elif key not in self.state:
+                raise ValueError(f"`fp8_state` has no entry {key!r}; its keys are "
+                                 f"{sorted(self.state)}. Make it with `.init` on the same "
+                                 "function and arguments.")
+            else:
+                state = self.state[key]
+        out_dtype = self.compute if self.autocast else eqn.outvars[0].aval.dtype
+        w_kn = w if cw == 0 else w.T
+        y = fp8_dot(jnp.moveaxis(x, cx, -1), w_kn, self.recipe, state,
+                    axis_name=self.axis_name, out_dtype=out_dtype)
+        return jnp.moveaxis(y, -1, 0) if w_idx == 0 else y
+
+
+class Fp8Function:
+    """What `convert_to_fp8` returns: call it like the original function.
+
+    ``fn(params, *args, fp8_state=None, **kwargs)``. With delayed scaling pass
+    ``fp8_state`` (from `init`) and use the gradient with respect to it as the next
+    step's state. `sites` lists the converted matmuls by parameter path.
+    """
+
+    def __init__(self, fn, recipe, axis_name, compute_dtype=None, output_cast=None):
+        self.fn, self.recipe, self.axis_name = fn, recipe, axis_name
+        self.compute_dtype, self.output_cast = compute_dtype, output_cast
+        functools.update_wrapper(self, fn)
+
+    def _run(self, params, args, kwargs, state):
+        rewriter = _Fp8Rewriter(self.recipe, self.axis_name, state, self.compute_dtype)
+
+        def in_tag(path, leaf):  # ((params, *args), kwargs): a leaf of params, by its path
+            del leaf
+            if len(path) >= 2 and path[0].idx == 0 and path[1].idx == 0:
+                return jax.tree_util.keystr(path[2:], simple=True, separator="/")
+            return None
+
+        out = rewriter.wrap(self.fn, in_tag)(params, *args, **kwargs)
+        return out, rewriter
+
+    def __call__(self, params, *args, fp8_state: dict[str, Fp8DotState] | None = None,
+                 **kwargs):
+        if self.recipe.delayed and fp8_state is None:
+            raise ValueError("delayed scaling needs `fp8_state=`: make it with "
+                             "`.init(params, *args)` and carry the gradient with respect "
+                             "to it from step to step.")
+        if not self.recipe.delayed and fp8_state is not None:
+            raise ValueError(f"`fp8_state` is only used by delayed scaling; recipe "
+                             f"{self.recipe.scaling!r} keeps no state.")
+        if fp8_state is not None and not isinstance(fp8_state, dict):
+            raise TypeError(f"`fp8_state` must be the dict `.init` returns, got "
+                            f"{type(fp8_state).__name__}.")
+        out = self._run(params, args, kwargs, fp8_state)[0]
+        return out if self.output_cast is None else self.output_cast(out)
+
+    def sites(self, params, *args, **kwargs) -> list[str]:
+        """The converted matmuls, named by the path of their parameter (traced only)."""
+        box = []
+
+        def probe(p, *a, **k):
+            out, interp = self._run(p, a, k, None)
+            box.append(interp.sites)
+            return out
+
+        jax.eval_shape(probe, params, *args, **kwargs)
+        return list(box[0])
+
+    def init(self, params, *args, **kwargs) -> dict[str, Fp8DotState]:
+        """Delayed scaling's fresh state: one `Fp8DotState` per converted matmul."""
+        if not self.recipe.delayed:
+            raise ValueError(f"recipe {self.recipe.scaling!r} keeps no state; only delayed "
+                             "scaling has an `init`.")
+        return {key: fp8_dot_state(self.recipe) for key in self.sites(params, *args, **kwargs)}
+
+
+def convert_to_fp8(
+    fn: Callable,
+    recipe: Any = "tensorwise",
+    *,
+    axis_name: AxisName = None,
+    compute_dtype: Any = None,
+) -> Fp8Function:
+    """Runs the dense-layer matmuls of ``fn(params, *args)`` in fp8 (`mpfunc.fp8_dot`).
+
+    A matmul is converted when it is a ``dot_general`` with one contraction dimension,
+    no batch dimensions, and exactly one operand that is a 2-D leaf of ``params`` (the
+    first argument), possibly transposed, reshaped or cast on the way: ``x @ w``,
+    ``jnp.einsum("btk,nk->btn", x, w)``, ``w @ x``. Products of two activations
+    (attention) are left alone. Matmuls inside ``scan``/``while``/``cond`` bodies are
+    not converted (a parameter sliced inside a loop is no longer a leaf).
+
+    Args:
+      fn: ``fn(params, *args, **kwargs)``.
+      recipe: a preset name or an `Fp8Recipe`.
+      axis_name: mesh axes for the per-tensor amax reduction (inside ``shard_map``).
+      compute_dtype: None: every other op runs as written and each fp8 matmul returns
+        its original dtype. ``jnp.bfloat16`` / ``jnp.float16``: the rest runs under
+        `mpfunc.autocast` with that dtype, and fp8 matmuls return it (the fp8 mode).
+
+    Returns:
+      An `Fp8Function`.
+
+    Examples:
+      >>> import jax.numpy as jnp, mpfunc
+      >>> f = mpfunc.convert_to_fp8(lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"])
+      >>> params = {"w": jnp.ones((4, 3)), "v": jnp.ones((3, 2))}
+      >>> f.sites(params, jnp.ones((5, 4)))
+      ['w', 'v']
+      >>> f(params, jnp.ones((5, 4))).shape
+      (5, 2)
+    """
+    if not callable(fn):
+        raise TypeError(f"`fn` must be callable, got {type(fn).__name__}.")
+    recipe = resolve_recipe(recipe)
+    if compute_dtype is not None:
+        compute_dtype = np.dtype(compute_dtype)
+        if compute_dtype not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+            raise ValueError(f"`compute_dtype` must be None, bfloat16 or float16, got "
+                             f"{compute_dtype.name}.")
+    if axis_name is not None and recipe.scaling in ("rowwise", "blockwise"):
+        raise ValueError(f"`axis_name` applies to per-tensor scales (tensorwise, delayed); "
+                         f"{recipe.scaling} scales are local to the rows they scale.")
+    return Fp8Function(fn, recipe, axis_name, compute_dtype)
+
+
+def fp8_mode_apply(fn: Callable, recipe, compute_dtype, output_cast: Callable,
+                   axis_name: AxisName) -> Fp8Function:
+    """The fp8 AMP mode's ``apply_fn``: dense matmuls in fp8, the rest under autocast,
+    outputs cast by ``output_cast``; ``axis_name`` reduces per-tensor amaxes only."""
+    per_tensor = recipe.block("input") is None
+    return Fp8Function(fn, recipe, axis_name if per_tensor else None, np.dtype(compute_dtype),
+                       output_cast)

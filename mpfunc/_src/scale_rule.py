@@ -1,0 +1,70 @@
+"""The loss-scale rule on device scalars, and the checks on a state it is given.
+
+The JAX twin of ``mpfunc_torch.LossScaler.update``: the same rule (`UPDATE_RULE`), the
+same float32 arithmetic, so both frameworks follow the same trajectory bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from _mpfunc_common.scale_config import FLOAT32_MAX, ScaleConfig
+
+__all__ = ["check_inner_state", "next_scale"]
+
+
+def check_inner_state(inner, state: Any, like: Any) -> None:
+    """At trace time (free at run time): the inner state has the structure and shapes
+    that ``inner.init`` gives, so a state from another optimizer fails clearly."""
+    try:
+        expected = jax.eval_shape(inner.init, like)
+    except jax.errors.JAXTypeError:  # an init that needs concrete values (it reads
+        return                          # them on the host): nothing to compare with
+    got = jax.tree_util.tree_structure(state.inner_state)
+    want = jax.tree_util.tree_structure(expected)
+    shapes = lambda t: [jnp.shape(x) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
+    if got != want or shapes(state.inner_state) != shapes(expected):
+        short = lambda x: (s if len(s := str(x)) < 400 else s[:400] + " ...")  # noqa: E731
+        raise ValueError(
+            "`state.inner_state` does not match this transformation's inner optimizer: "
+            f"expected {short(want)}, got {short(got)} (with leaf shapes "
+            f"{short(shapes(state.inner_state))}, expected {short(shapes(expected))}). Was "
+            "the state made by a different optimizer, or for different params? Create it "
+            "with this transformation's `init`."
+        )
+
+
+def next_scale(cfg: ScaleConfig, state: Any, finite: jax.Array):
+    """One step of the update rule (`UPDATE_RULE`), without branching in Python.
+
+    A restored state's trackers are clamped into their ranges first (a scale into
+    ``[min_scale, max_scale]``, NaN to ``min_scale``; ``growth_tracker`` into
+    ``[0, growth_interval - 1]``; ``hysteresis_left`` into ``[0, hysteresis]``). States
+    this transformation made are always in range, so this never changes their trajectory.
+    """
+    f32 = jnp.float32
+    hi = cfg.max_scale if np.isfinite(cfg.max_scale) else FLOAT32_MAX
+    scale = jnp.clip(state.loss_scale, f32(cfg.min_scale), f32(hi))
+    scale = jnp.where(jnp.isnan(state.loss_scale), f32(cfg.min_scale), scale)
+    tracker = jnp.clip(state.growth_tracker, 0, cfg.growth_interval - 1)
+    hyst = jnp.clip(state.hysteresis_left, 0, cfg.hysteresis)
+    # Overflow branch.
+    hyst_after = jnp.maximum(hyst - 1, 0)
+    backed = jnp.maximum(scale * f32(cfg.backoff_factor), f32(cfg.min_scale))
+    over_scale = jnp.where(hyst_after == 0, backed, scale)
+    # Clean branch.
+    tracker = tracker + 1
+    grow = tracker == cfg.growth_interval
+    grown = jnp.minimum(scale * f32(cfg.growth_factor), f32(cfg.max_scale))
+    clean_scale = jnp.where(grow & jnp.isfinite(grown), grown, scale)
+    clean_tracker = jnp.where(grow, 0, tracker)
+    clean_hyst = jnp.where(grow, jnp.int32(cfg.hysteresis), hyst)
+    return (
+        jnp.where(finite, clean_scale, over_scale),
+        jnp.where(finite, clean_tracker, 0).astype(jnp.int32),
+        jnp.where(finite, clean_hyst, hyst_after).astype(jnp.int32),
+    )

@@ -1,0 +1,181 @@
+"""Using the loss-scale state in a train step: scale the loss, read metrics, and a
+flax-style ``value_and_grad``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mpfunc._src.distributed import AxisName, all_finite, check_axis_name
+from mpfunc._src.loss_scale import LossScaleState, ScaledValueAndGrad, _unscale
+
+__all__ = ["loss_scale", "scale_loss", "scale_metrics", "value_and_grad"]
+
+
+def _find_states(opt_state: Any) -> list[LossScaleState]:
+    leaves = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, LossScaleState)
+    )
+    return [x for x in leaves if isinstance(x, LossScaleState)]
+
+
+def _the_state(opt_state: Any) -> LossScaleState:
+    found = _find_states(opt_state)
+    if len(found) != 1:
+        raise ValueError(
+            f"`opt_state` must hold exactly one LossScaleState (from dynamic_scale, "
+            f"static_scale or no_scale), found {len(found)}."
+        )
+    return found[0]
+
+
+def loss_scale(opt_state: Any) -> jax.Array:
+    """The current loss scale (float32 device scalar), found anywhere in ``opt_state``.
+
+    Works through nested ``optax.chain`` states, ``optax.inject_hyperparams`` and
+    ``optax.MultiSteps``.
+
+    Args:
+      opt_state: an optax state tree holding one `LossScaleState`.
+
+    Returns:
+      The scale, as a float32 scalar on the device.
+
+    Raises:
+      ValueError: ``opt_state`` holds no `LossScaleState`, or more than one.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, mpfunc
+      >>> opt = optax.MultiSteps(mpfunc.dynamic_scale(optax.adam(1e-3)), 2)
+      >>> float(mpfunc.loss_scale(opt.init({"w": jnp.ones(2)})))
+      65536.0
+    """
+    return _the_state(opt_state).loss_scale
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """``loss`` (cast to float32) multiplied by the current loss scale.
+
+    The product is float32; its gradient flows back into a half-precision loss already
+    multiplied by the scale, which is the point of loss scaling.
+
+    Args:
+      loss: the loss, any floating dtype.
+      opt_state: an optax state tree holding one `LossScaleState`.
+
+    Returns:
+      The scaled loss, float32.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, mpfunc
+      >>> state = mpfunc.static_scale(4.0, optax.sgd(1.0)).init({"w": jnp.ones(1)})
+      >>> float(mpfunc.scale_loss(jnp.float16(1.5), state))
+      6.0
+    """
+    return jnp.asarray(loss).astype(jnp.float32) * loss_scale(opt_state)
+
+
+def scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
+    """Device scalars for logging: ``loss_scale``, ``skipped_steps``,
+    ``consecutive_skips``, ``last_finite`` (and ``num_zeros_in_grad`` when the mode
+    logs it).
+
+    Nothing is copied to the host; convert with ``float()``/``int()`` when you log.
+    ``consecutive_skips`` is optax's ``notfinite_count``: compare it with a limit at log
+    time to stop a run that is stuck skipping (see the README, "Loss scaling").
+
+    Args:
+      opt_state: an optax state tree holding one `LossScaleState`.
+
+    Returns:
+      A dict of device scalars.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, mpfunc
+      >>> m = mpfunc.scale_metrics(mpfunc.no_scale(optax.sgd(1.0)).init({"w": jnp.ones(1)}))
+      >>> sorted(m)
+      ['consecutive_skips', 'last_finite', 'loss_scale', 'skipped_steps']
+    """
+    s = _the_state(opt_state)
+    out = {
+        "loss_scale": s.loss_scale,
+        "skipped_steps": s.skipped_steps,
+        "consecutive_skips": s.consecutive_skips,
+        "last_finite": s.last_finite,
+    }
+    # `convert_to_amp(..., log_num_zeros_in_grad=True)` adds a zero-count link.
+    for leaf in jax.tree_util.tree_leaves(
+        s.inner_state, is_leaf=lambda x: hasattr(x, "num_zeros_in_grad")
+    ):
+        if hasattr(leaf, "num_zeros_in_grad"):
+            out["num_zeros_in_grad"] = leaf.num_zeros_in_grad
+    return out
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    axis_name: AxisName = None,
+) -> Callable[..., ScaledValueAndGrad]:
+    """flax's ``DynamicScale.value_and_grad``, on the loss-scale state in ``opt_state``.
+
+    ``value_and_grad(fun)(opt_state, *args)`` differentiates ``fun(*args)`` with its loss
+    multiplied by the current scale, and returns a `ScaledValueAndGrad`: the loss as
+    ``fun`` returned it (``(loss, aux)`` with ``has_aux``), the gradients unscaled in
+    float32 exactly as the loss-scale transformation unscales them, and ``finite``, the
+    decision it will take. Pass the result whole to the transformation's ``update`` (or
+    ``TrainState.apply_gradients(grads=...)``): it takes the gradients as already
+    unscaled, skips exactly when ``finite`` is false and advances the scale. Passing
+    ``.grads`` alone would unscale them twice.
+
+    Unlike flax, the scale is advanced by ``update`` (the optax state is the single
+    source of truth), and growth follows the torch rule: flax 0.12.8 grows after
+    ``growth_interval + 1`` clean steps, mpfunc after ``growth_interval``.
+
+    Args:
+      fun: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.
+      argnums: which positional arguments of ``fun`` to differentiate, as in
+        ``jax.grad``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      axis_name: as in flax: the gradients are averaged (``pmean``) over these mesh axes
+        before the check, inside ``shard_map``/``pmap``.
+
+    Returns:
+      ``f(opt_state, *args, **kwargs) -> ScaledValueAndGrad(value, grads, finite)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, mpfunc
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt = mpfunc.dynamic_scale(optax.sgd(0.5))
+      >>> state = opt.init(params)
+      >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+      >>> out = mpfunc.value_and_grad(loss_fn)(state, params)
+      >>> float(out.value), out.grads["w"].tolist(), bool(out.finite)
+      (2.0, [2.0, 2.0], True)
+      >>> updates, state = opt.update(out, state, params)
+      >>> updates["w"].tolist()
+      [-1.0, -1.0]
+    """
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {type(fun).__name__}.")
+    axis_name = check_axis_name(axis_name)
+
+    def wrapped(opt_state, *args, **kwargs):
+        scale = loss_scale(opt_state)
+
+        def scaled(*a, **k):
+            out = fun(*a, **k)
+            loss = out[0] if has_aux else out
+            return jnp.asarray(loss).astype(jnp.float32) * scale, out
+
+        grads, value = jax.grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
+        grads = _unscale(grads, jnp.float32(1.0) / scale)
+        if axis_name is not None:
+            grads = jax.lax.pmean(grads, axis_name)
+        return ScaledValueAndGrad(value, grads, all_finite(grads, axis_name))
+
+    return wrapped

@@ -1,0 +1,321 @@
+"""fp8 quantisation and the fp8 linear for PyTorch (the rule in `_mpfunc_common.fp8`).
+
+`quantize_fp8` / `dequantize_fp8` follow ``_mpfunc_common.fp8.QUANTIZE_RULE`` exactly, so they
+give the same bits as ``mpfunc``'s (JAX). `fp8_linear` is an ``autograd.Function``:
+inputs and weights in the recipe's forward format, output gradients in its backward
+format. On CPU (and GPUs without fp8) each GEMM is emulated: dequantise, then multiply
+in float32. On CUDA with compute capability >= 8.9, per-tensor and rowwise GEMMs run on
+``torch._scaled_mm``, wrapped in one place with torch's other private kernels
+(`mpfunc_torch._src.fused.scaled_mm`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from _mpfunc_common.fp8 import (
+    FLOAT32_MIN_NORMAL,
+    FP8_MAX,
+    QUANTIZE_RULE,
+    Fp8Recipe,
+    scale_shape,
+)
+from mpfunc_torch._src.distributed import normalize_groups
+from mpfunc_torch._src.fused import scaled_mm, scaled_mm_available, scaled_mm_fits
+
+__all__ = ["quantize_fp8", "dequantize_fp8", "fp8_linear"]
+
+_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+_F32 = torch.float32
+# Scales stay in [2**-126, 2**126], so they and their reciprocals are normal floats.
+_MIN_SCALE, _MAX_SCALE = 2.0**-126, 2.0**126
+# Bit patterns of (NaN, +inf, -inf): e4m3fn has no inf, so +-inf become its NaNs.
+_NONFINITE_BITS = {"float8_e4m3fn": (0x7F, 0x7F, 0xFF), "float8_e5m2": (0x7E, 0x7C, 0xFC)}
+_MANTISSA_OFF = -8388608  # 0xFF800000 as an int32: sign and exponent bits of a float32
+
+
+def _fp8_name(dtype: Any) -> str:
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}.get(dtype, dtype)
+    if name not in _DTYPES:
+        raise ValueError(f"`dtype` must be float8_e4m3fn or float8_e5m2, got {dtype!r}.")
+    return name
+
+
+def _all_reduce_max(x: torch.Tensor, groups) -> torch.Tensor:
+    for group in groups:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+# ------------------------------------------------------------------------- the rule
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
+
+
+def _tiled(x2d: torch.Tensor, block):
+    """(R, C) -> (nR, br, nC, bc), zero-padded; zeros never change an amax."""
+    r, c = x2d.shape
+    br = r if block[0] is None else block[0]
+    bc = c if block[1] is None else block[1]
+    nr, nc = -(-r // br), -(-c // bc)
+    if (nr * br, nc * bc) != (r, c):
+        x2d = torch.nn.functional.pad(x2d, (0, nc * bc - c, 0, nr * br - r))
+    return x2d.reshape(nr, br, nc, bc), (r, c)
+
+
+def _untiled(t: torch.Tensor, info) -> torch.Tensor:
+    r, c = info
+    nr, br, nc, bc = t.shape
+    return t.reshape(nr * br, nc * bc)[:r, :c]
+
+
+def _amax(x: torch.Tensor, block) -> torch.Tensor:
+    """max |x| per block (float32), a NaN counting as +inf (as on the JAX side)."""
+    a = _flush(x.detach().to(_F32)).abs()
+    a = torch.where(a.isnan(), torch.tensor(float("inf"), device=a.device), a)
+    if block is None:
+        return a.amax() if a.numel() else torch.zeros((), device=a.device)
+    t, _ = _tiled(_as_2d(a), block)
+    return t.amax(dim=(1, 3))
+
+
+def _scale(amax: torch.Tensor, fp8_max: float, margin: int, power_of_2: bool,
+           fallback) -> torch.Tensor:
+    s = torch.tensor(fp8_max, dtype=_F32, device=amax.device) / amax
+    if margin:
+        s = s / torch.tensor(2.0**margin, dtype=_F32, device=amax.device)
+    s = s.clamp(_MIN_SCALE, _MAX_SCALE)
+    if power_of_2:  # clear the mantissa: 2**floor(log2(s)), exactly (s is normal)
+        s = (s.view(torch.int32) & _MANTISSA_OFF).view(_F32)
+    ok = torch.isfinite(amax) & (amax > 0)
+    if not isinstance(fallback, torch.Tensor):
+        fallback = torch.tensor(fallback, dtype=_F32, device=amax.device)
+    return torch.where(ok, s, fallback)
+
+
+def _cast(y: torch.Tensor, name: str) -> torch.Tensor:
+    m = FP8_MAX[name]
+    finite = torch.isfinite(y)
+    q = torch.where(finite, y.clamp(-m, m), 0.0).to(_DTYPES[name])  # saturate
+    # torch's cast saturates inf in e4m3fn and encodes NaN differently from XLA: the
+    # non-finite bit patterns are written explicitly (the rule's encodings).
+    nan, pos_inf, neg_inf = _NONFINITE_BITS[name]
+    special = torch.where(y.isnan(), nan, torch.where(y > 0, pos_inf, neg_inf))
+    return torch.where(finite, q.view(torch.uint8), special.to(torch.uint8)).view(q.dtype)
+
+
+def _flush(x: torch.Tensor) -> torch.Tensor:
+    """float32 subnormals -> 0, as XLA computes on CPU (torch keeps them)."""
+    return torch.where(x.abs() < FLOAT32_MIN_NORMAL, 0.0, x)
+
+
+def _quantize_with(x: torch.Tensor, scale: torch.Tensor, block, name: str) -> torch.Tensor:
+    x = _flush(x.detach().to(_F32))
+    if block is None:
+        return _cast(x * scale, name)
+    t, info = _tiled(_as_2d(x), block)
+    q = _cast(t * scale[:, None, :, None], name)
+    return _untiled(q, info).reshape(x.shape)
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    dtype: Any = "float8_e4m3fn",
+    block: tuple[int | None, int | None] | None = None,
+    *,
+    margin: int = 0,
+    power_of_2_scales: bool = False,
+    process_group: Any = None,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantises ``x`` to fp8 with current scaling; bit-identical to ``mpfunc``'s.
+
+    The rule (shared with JAX, word for word):
+
+    {rule}
+
+    Args:
+      x: a floating tensor; with a ``block`` its leading dims are flattened (the last
+        dim is the contraction dim).
+      dtype: ``"float8_e4m3fn"`` (``"e4m3"``), ``"float8_e5m2"`` (``"e5m2"``) or the
+        torch dtype.
+      block: None (one scale for the whole tensor) or ``(rows, cols)`` tiles, None
+        meaning the whole dimension (``(1, None)``: one scale per row).
+      margin: scales are divided by ``2**margin``.
+      power_of_2_scales: round scales down to powers of two.
+      process_group: a group (or a list of them) to MAX-reduce the amax over
+        (per-tensor scales only).
+      scale: use these float32 scales (e.g. delayed scaling's) instead of computing
+        them; values beyond the range then saturate.
+
+    Returns:
+      ``(q, scale)``: the fp8 tensor (shape of ``x``) and the float32 scales, shape
+      ``()`` or ``(row tiles, col tiles)``; ``x ~= q * (1 / scale)``.
+
+    Examples:
+      >>> import torch, mpfunc_torch
+      >>> q, s = mpfunc_torch.quantize_fp8(torch.tensor([1.0, -2.0, 4.0]), "e4m3")
+      >>> q.dtype, float(s), mpfunc_torch.dequantize_fp8(q, s).tolist()
+      (torch.float8_e4m3fn, 112.0, [1.0, -2.0, 4.0])
+    """
+    name = _fp8_name(dtype)
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        raise TypeError(f"`x` must be a floating tensor, got {getattr(x, 'dtype', type(x))}.")
+    groups = normalize_groups(process_group)
+    if block is not None and groups:
+        raise ValueError("`process_group` applies to per-tensor scales only (`block=None`); "
+                         "row and tile scales are local to the rows they scale.")
+    if scale is None:
+        amax = _all_reduce_max(_amax(x, block), groups)
+        scale = _scale(amax, FP8_MAX[name], margin, power_of_2_scales, 1.0)
+    else:
+        scale = torch.as_tensor(scale, dtype=_F32, device=x.device)
+        want = scale_shape(tuple(x.shape), block)
+        if tuple(scale.shape) != want:
+            raise ValueError(f"`scale` must have shape {want} for this block, got "
+                             f"{tuple(scale.shape)}.")
+    return _quantize_with(x, scale, block, name), scale
+
+
+quantize_fp8.__doc__ = quantize_fp8.__doc__.replace("{rule}", QUANTIZE_RULE.strip())
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block=None,
+               dtype: torch.dtype = _F32) -> torch.Tensor:
+    """``float32(q) * (1 / scale)`` per block (the reciprocal rounded to float32), cast to
+    ``dtype``; the inverse of `quantize_fp8` up to fp8 rounding."""
+    inv = torch.reciprocal(scale.to(_F32))
+    v = q.to(_F32)
+    if block is None:
+        out = v * inv
+    else:
+        t, info = _tiled(_as_2d(v), block)
+        out = _untiled(t * inv[:, None, :, None], info).reshape(q.shape)
+    return _flush(out).to(dtype)
+
+
+# ---------------------------------------------------------------- the fp8 linear
+class _Operand:
+    """One quantised GEMM operand: fp8 data, scales and their block (contraction last)."""
+
+    def __init__(self, x2d: torch.Tensor, role: str, recipe: Fp8Recipe, groups,
+                 scale: torch.Tensor | None = None):
+        name = recipe.dtype(role)
+        self.block = recipe.block(role)
+        if scale is None:
+            amax = _amax(x2d, self.block)
+            if self.block is None:
+                amax = _all_reduce_max(amax, groups)
+            scale = _scale(amax, FP8_MAX[name], recipe.margin, recipe.power_of_2_scales, 1.0)
+        self.scale = scale
+        self.q = _quantize_with(x2d, scale, self.block, name)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_fp8(self.q, self.scale, self.block)
+
+
+def _gemm(a: _Operand, b: _Operand, out_dtype, use_scaled_mm: bool, bias=None):
+    """a (M, K) @ b (N, K)^T: ``torch._scaled_mm`` where it applies, else emulated."""
+    if use_scaled_mm and scaled_mm_fits(a.q, b.q, a.block, out_dtype):
+        return scaled_mm(a.q, a.scale, b.q, b.scale, out_dtype, bias)
+    out = a.dequantized() @ b.dequantized().t()
+    if bias is not None:
+        out = out + bias.to(_F32)
+    return out.to(out_dtype)
+
+
+def _delayed_scale(x: torch.Tensor, layer, role: str, recipe: Fp8Recipe, groups):
+    """This step's scale from ``layer``'s history; updates the buffers in place."""
+    hist = getattr(layer, f"fp8_amax_history_{role}")
+    prev = getattr(layer, f"fp8_scale_{role}")
+    amax = _all_reduce_max(_amax(x, None), groups)
+    used = hist.max() if recipe.amax_reduction == "max" else hist[0]
+    used = torch.where(torch.isfinite(used) & (used > 0), used, amax)  # no history yet
+    scale = _scale(used, FP8_MAX[recipe.dtype(role)], recipe.margin,
+                   recipe.power_of_2_scales, prev)
+    rolled = torch.cat([amax.reshape(1), hist[:-1]])
+    hist.copy_(torch.where(torch.isfinite(amax), rolled, hist))
+    prev.copy_(scale)
+    return scale
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, out_dtype, use_scaled_mm):
+        recipe, groups = layer.recipe, layer._groups
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            sx = sw = None
+            if recipe.delayed:
+                sx = _delayed_scale(x2, layer, "input", recipe, groups)
+                sw = _delayed_scale(weight, layer, "weight", recipe, groups)
+            qx = _Operand(x2, "input", recipe, groups, sx)
+            qw = _Operand(weight, "weight", recipe, groups, sw)
+            y = _gemm(qx, qw, out_dtype, use_scaled_mm, bias)
+        per_tensor = recipe.block("input") is None
+        ctx.save_for_backward(x, weight, qx.scale if per_tensor else None,
+                              qw.scale if per_tensor else None)
+        ctx.layer, ctx.use_scaled_mm, ctx.has_bias = layer, use_scaled_mm, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, sx, sw = ctx.saved_tensors
+        layer, use_mm = ctx.layer, ctx.use_scaled_mm
+        recipe, groups = layer.recipe, layer._groups
+        x2 = x.reshape(-1, x.shape[-1])
+        g2 = g.reshape(-1, g.shape[-1])
+        with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
+            if recipe.block("grad_output") is None:
+                # One scale per tensor: quantise each tensor once and transpose the fp8
+                # data (x and w keep their forward scales).
+                sg = (_delayed_scale(g2, layer, "grad_output", recipe, groups)
+                      if recipe.delayed else None)
+                qg = _Operand(g2, "grad_output", recipe, groups, sg)
+                qx = _Operand(x2, "input", recipe, groups, sx)
+                qw = _Operand(weight, "weight", recipe, groups, sw)
+                qg_t, qx_t, qw_t = (_transposed(o) for o in (qg, qx, qw))
+            else:
+                # Each operand quantised with its contraction dim last, as its GEMM needs.
+                qg = _Operand(g2, "grad_output", recipe, groups)
+                qw_t = _Operand(weight.t(), "weight", recipe, groups)
+                qg_t = _Operand(g2.t(), "grad_output", recipe, groups)
+                qx_t = _Operand(x2.t(), "input", recipe, groups)
+            dx = _gemm(qg, qw_t, x.dtype, use_mm) if ctx.needs_input_grad[0] else None
+            dw = _gemm(qg_t, qx_t, weight.dtype, use_mm) if ctx.needs_input_grad[1] else None
+            db = g2.to(_F32).sum(0).to(weight.dtype) if ctx.has_bias else None
+        if dx is not None:
+            dx = dx.reshape(x.shape)
+        return dx, dw, db, None, None, None
+
+
+def _transposed(op: _Operand) -> _Operand:
+    out = _Operand.__new__(_Operand)
+    out.block, out.scale, out.q = op.block, op.scale, op.q.t()
+    return out
+
+
+def fp8_linear(x: torch.Tensor, layer: Any, out_dtype: torch.dtype | None = None,
+               gemm: str = "auto") -> torch.Tensor:
+    """``x @ layer.weight.T + layer.bias`` with fp8 operands, differentiable.
+
+    ``layer`` carries ``weight`` ``(N, K)``, ``bias``, ``recipe`` (an `Fp8Recipe`),
+    ``_groups`` (process groups for per-tensor amaxes) and, for delayed scaling, the
+    ``fp8_amax_history_<role>`` / ``fp8_scale_<role>`` buffers (see ``Fp8Linear``).
+    ``gemm``: ``"auto"`` (``torch._scaled_mm`` where available), ``"emulate"`` or
+    ``"scaled_mm"`` (also on CPU, where torch has a reference kernel; for tests).
+    """
+    if gemm not in ("auto", "emulate", "scaled_mm"):
+        raise ValueError(f"`gemm` must be 'auto', 'emulate' or 'scaled_mm', got {gemm!r}.")
+    use_mm = gemm == "scaled_mm" or (gemm == "auto" and scaled_mm_available(x.device))
+    if out_dtype is None:
+        dev = x.device.type
+        out_dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                     else x.dtype)
+    return _Fp8Linear.apply(x, layer.weight, layer.bias, layer, out_dtype, use_mm)
