@@ -4,9 +4,9 @@ Runs, in order: the JAX loss-scale overhead (plain Adam / mpfunc / lax.cond vari
 manual jmp-style loop), what an exact skip costs in peak memory, compile time and step
 time (every scaling form and mode, three depths), the torch modes (fp32 / raw
 torch.amp / every mpfunc_torch mode), the torch master-weight step peak memory
-(bytes/param at the allocator), the unscale-and-check bandwidth, and the JAX FSDP bytes
-per device. Each section records its device, software versions, the command and the
-date.
+(bytes/param at the allocator), the unscale-and-check bandwidth, the JAX FSDP bytes per
+device and the torch FSDP2 bytes per rank. Each section records its device, software
+versions, the command and the date.
 
     python benchmarks/run.py [--device cpu|cuda] [--out out]
 """
@@ -28,6 +28,7 @@ import jax_scale_cost  # noqa: E402
 import jax_sharding  # noqa: E402
 import torch_memory  # noqa: E402
 import torch_modes  # noqa: E402
+import torch_sharding  # noqa: E402
 import unscale_bandwidth  # noqa: E402
 
 
@@ -78,6 +79,15 @@ def main(argv=None):
     results["jax_sharding"] = r
     sections.append("## JAX FSDP: master-weight bytes per device\n\nCommand: `python "
                     f"benchmarks/jax_sharding.py --device {dev}`\n\n{jax_sharding.to_markdown(r)}")
+    # Its own processes: N gloo ranks (or one per GPU) for N = 1, 2, 4.
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("torch_sharding.py")),
+                           "--device", args.device, "--json"], capture_output=True, text=True,
+                          check=True)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    results["torch_sharding"] = r
+    sections.append("## torch FSDP2: master-weight bytes per rank\n\nCommand: `python "
+                    f"benchmarks/torch_sharding.py --device {args.device}`\n\n"
+                    f"{torch_sharding.to_markdown(r)}")
     md = f"# Benchmarks ({header})\n\n" + "\n\n".join(sections) + "\n"
     (out / "benchmarks.md").write_text(md)
     (out / "benchmarks.json").write_text(json.dumps(results, indent=2))

@@ -23,6 +23,8 @@ from _mpfunc_common.mixed_precision import (
     FP16TorchMixedPrecision,
 )
 from mpfunc_torch._src.booster import backward, boost
+from mpfunc_torch._src.clipping import clip_grad_norm_, mark_replicated
+from mpfunc_torch._src.dcp import get_state_dict, set_state_dict
 from mpfunc_torch._src.fp8 import dequantize_fp8, quantize_fp8
 from mpfunc_torch._src.fp8_convert import Fp8Linear, convert_to_fp8
 from mpfunc_torch._src.loss_scale import LossScaler
@@ -47,9 +49,13 @@ __all__ = [
     "LossScaler",
     "backward",
     "boost",
+    "clip_grad_norm_",
     "convert_to_amp",
     "convert_to_fp8",
     "dequantize_fp8",
+    "get_state_dict",
     "is_norm_module",
+    "mark_replicated",
     "quantize_fp8",
+    "set_state_dict",
 ]

@@ -134,3 +134,24 @@ def test_booster_tutorial():
         assert lrs == "[0.003333, 0.006667, 0.01, 0.005]", (name, line)  # LinearWarmupLR
         assert (int(skipped) > 0) == (name == "fp16_naive"), (name, line)  # 2**32 backs off
     assert results["object"] == results["fp16"]
+
+
+@pytest.mark.slow
+def test_torch_fsdp_tp():
+    out = run("torch_fsdp_tp.py")
+    # An inf in one rank's gradient shard: all 4 ranks skip, nothing changes, one scale.
+    assert out.count("ranks that stepped 0/4, params, masters and optimizer state unchanged "
+                     "on every rank: True") == 2
+    # Clipping uses one global norm: the same on every rank.
+    assert "(same: True)" in out and "(same: False)" not in out
+    assert "ranks that stepped 4/4" in out
+    # naive: each rank's float32 masters are twice its float16 params, and a fraction of
+    # the unsharded masters.
+    naive = out.split("\nnaive:")[1].split("\ntorch:")[0]
+    rows = [ln for ln in naive.splitlines() if ln.startswith("  | ") and "---" not in ln][1:]
+    assert len(rows) == 4
+    whole = float(naive.split(" KiB of float32 masters")[0].rsplit(" ", 1)[-1])
+    for row in rows:
+        params_kib, masters_kib = (float(c) for c in row.split("|")[2:4])
+        assert masters_kib == pytest.approx(2 * params_kib, abs=0.15)
+        assert masters_kib < whole / 2

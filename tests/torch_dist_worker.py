@@ -96,20 +96,6 @@ elif scenario == "ddp_orders":
                                   "params": [p.detach().double().flatten().tolist()
                                              for p in net.parameters()]}
 
-elif scenario == "fsdp2_half_mode":
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    net = local_model(0)
-    fully_shard(net, mesh=mesh)
-    try:
-        mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                                    mode="naive")
-        result["error"] = None
-    except ValueError as e:
-        result["error"] = str(e)
-
 elif scenario == "tensor_parallel":
     # One Linear(4 -> 8) split by output rows: rank r holds rows [4r, 4r+4). Each rank's
     # loss depends only on its rows, so each rank sees a different shard of the grads.

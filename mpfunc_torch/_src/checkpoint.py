@@ -16,7 +16,7 @@ from mpfunc_torch._src.master_weights import check_saved_masters, copy_masters_t
 if TYPE_CHECKING:
     from mpfunc_torch._src.optimizer import AmpOptimizer
 
-__all__ = ["save", "load"]
+__all__ = ["save", "check", "load"]
 
 FORMAT = 1
 _KEYS = ("format", "mode", "opt_level", "optimizer", "scalers", "master_weights")
@@ -33,7 +33,8 @@ def save(opt: AmpOptimizer) -> dict[str, Any]:
     }
 
 
-def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
+def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list]:
+    """Every check of `load`, changing nothing; returns the scaler values and masters."""
     _check_header(state_dict, opt.plan)
     scalers = state_dict["scalers"]
     if not isinstance(scalers, list | tuple) or len(scalers) != len(opt._scalers):
@@ -45,6 +46,11 @@ def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
     masters = check_saved_masters(state_dict["master_weights"], opt._pairs,
                                   "state_dict['master_weights']")
     _check_inner_state(state_dict["optimizer"], "state_dict['optimizer']")
+    return values, masters
+
+
+def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
+    values, masters = check(opt, state_dict)
     # torch's own load validates the groups before it replaces anything.
     opt.optimizer.load_state_dict(state_dict["optimizer"])
     for s, v in zip(opt._scalers, values):

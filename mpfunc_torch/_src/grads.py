@@ -12,12 +12,15 @@ from collections.abc import Sequence
 import torch
 
 from mpfunc_torch._src import fused
+from mpfunc_torch._src.sharding import local
 
 __all__ = ["grads_of", "coalesce_sparse_", "set_aside_", "add_back_unscaled_", "check_"]
 
 
 def grads_of(owned: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [q.grad for q in owned if q.grad is not None]
+    """The gradients of ``owned``: each rank's local shard for DTensors (FSDP2, tensor
+    parallelism), so the fused kernels run on local data and run no collective."""
+    return [local(q.grad) for q in owned if q.grad is not None]
 
 
 def coalesce_sparse_(owned: Sequence[torch.Tensor]) -> None:
@@ -59,7 +62,7 @@ def add_back_unscaled_(owned, sources, stash, scaler, found_inf: torch.Tensor) -
             g = g.to(q.dtype)
             src.grad = None
         fresh.append(g.coalesce() if g is not None and g.is_sparse else g)
-    grads = [g for g in fresh if g is not None]
+    grads = [local(g) for g in fresh if g is not None]
     if scaler.kind != "none":
         fused.unscale_and_check_(grads, found_inf, scaler.inv_scale())
     if scaler.kind == "none" or scaler.may_go_below_one:

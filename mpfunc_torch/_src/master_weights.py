@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mpfunc_torch._src.sharding import local
+
 __all__ = [
     "make_masters",
     "keep_half_masters",
@@ -131,7 +133,9 @@ def copy_grads_to_masters_(pairs: Pairs) -> None:
         for _, m in chunk:
             if m.grad is None or m.grad.is_sparse:
                 m.grad = torch.empty_like(m)
-        torch._foreach_copy_([m.grad for _, m in chunk], [p.grad for p, _ in chunk])
+        # DTensors (FSDP2, TP): each rank copies its own shard
+        torch._foreach_copy_([local(m.grad) for _, m in chunk],
+                             [local(p.grad) for p, _ in chunk])
         for p, _ in chunk:
             p.grad = None
 
@@ -139,7 +143,8 @@ def copy_grads_to_masters_(pairs: Pairs) -> None:
 def copy_masters_to_model_(pairs: Pairs) -> None:
     """Master values -> model params (rounded to the params' dtype), one foreach copy."""
     if pairs:
-        torch._foreach_copy_([p.data for p, _ in pairs], [m.data for _, m in pairs])
+        torch._foreach_copy_([local(p).data for p, _ in pairs],
+                             [local(m).data for _, m in pairs])
 
 
 def release_master_grads_(pairs: Pairs) -> None:

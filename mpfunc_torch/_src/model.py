@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src.autocast import Fp32Functions
+from mpfunc_torch._src.sharding import cast_module_, is_dtensor
 
 __all__ = [
     "AmpModel",
@@ -30,6 +31,7 @@ __all__ = [
     "is_norm_module",
     "refuse_converted_model",
     "refuse_data_parallel_wrapper",
+    "refuse_sharded_after_conversion",
     "DTYPES",
     "HALF",
 ]
@@ -150,8 +152,13 @@ class AmpModel(nn.Module):
         if _AmpForward.needed(plan):
             target = _uncompiled(module)
             target.forward = _AmpForward(target, plan, device_type)
+        # The params the optimizer was converted over: checked once, at the first forward.
+        self._converted_params: list[nn.Parameter] | None = list(module.parameters())
 
     def forward(self, *args, **kwargs):
+        if self._converted_params is not None and not torch.compiler.is_compiling():
+            refuse_sharded_after_conversion(self.module, self._converted_params)
+            self._converted_params = None
         return self.module(*args, **kwargs)
 
     def _wrapped(self) -> nn.Module | None:
@@ -260,6 +267,9 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool,
                 norms.append(module)
                 inside_norm.update(id(m) for m in module.modules())
                 continue
+            if any(is_dtensor(p) for p in module.parameters(recurse=False)):
+                cast_module_(module, dtype)  # FSDP2 / DTensor: the shards are cast too
+                continue
             for p in module.parameters(recurse=False):
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
@@ -289,10 +299,9 @@ def _data_parallel_types() -> tuple[type, ...]:
     from torch.distributed import fsdp
     from torch.nn.parallel import DistributedDataParallel
 
-    found = [DistributedDataParallel, fsdp.FullyShardedDataParallel]
-    if hasattr(fsdp, "FSDPModule"):  # fully_shard (FSDP2)
-        found.append(fsdp.FSDPModule)
-    return tuple(found)
+    # FSDP2 (fully_shard) is not here: its DTensor params are cast shard by shard (see
+    # sharding.check_fsdp_units for what it cannot take).
+    return (DistributedDataParallel, fsdp.FullyShardedDataParallel)
 
 
 def refuse_data_parallel_wrapper(model: nn.Module, plan: AmpPlan) -> None:
@@ -318,6 +327,22 @@ def refuse_data_parallel_wrapper(model: nn.Module, plan: AmpPlan) -> None:
             "FSDP(mixed_precision=...), or use a mode that keeps float32 params (torch, "
             "bf16, apex O1)."
         )
+
+
+def refuse_sharded_after_conversion(module: nn.Module, converted: list) -> None:
+    """``fully_shard`` (or ``parallelize_module``) after `convert_to_amp` replaces the
+    model's params with DTensors, and the optimizer would go on stepping the old ones
+    (silently training nothing). Say which order works."""
+    now = list(module.parameters())
+    if len(now) == len(converted) and all(p is q for p, q in zip(now, converted)):
+        return
+    if any(is_dtensor(p) and all(p is not q for q in converted) for p in now):
+        raise ValueError(
+            "the model's params were replaced by sharded DTensors (fully_shard or "
+            "parallelize_module) after convert_to_amp, so the optimizer would step the "
+            "old, unsharded ones. Shard first, then build the optimizer over the sharded "
+            "params, then convert: `fully_shard(net)`, `opt = torch.optim.AdamW("
+            "net.parameters())`, `model, opt, crit = convert_to_amp(net, opt, crit, ...)`.")
 
 
 def refuse_converted_model(model: nn.Module) -> None:

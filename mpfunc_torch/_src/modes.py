@@ -29,6 +29,7 @@ from mpfunc_torch._src.model import (
     refuse_data_parallel_wrapper,
 )
 from mpfunc_torch._src.optimizer import AmpOptimizer
+from mpfunc_torch._src.sharding import check_fsdp_units
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
 
@@ -95,6 +96,18 @@ def _refuse_broken_fused_sgd(optimizers, masters) -> None:
                     )
 
 
+def _check_fsdp_units(model: nn.Module, target: torch.dtype, keep_norm_fp32: bool,
+                      is_norm: Callable[[str, nn.Module], bool]) -> None:
+    """FSDP2 units the cast would break are refused before anything is cast."""
+    kept: set[int] = set()
+    if keep_norm_fp32:
+        for name, module in model.named_modules():
+            if is_norm(name, module):
+                kept.update(id(p) for p in module.parameters())
+    check_fsdp_units(model, lambda p: torch.float32 if id(p) in kept or
+                     not p.is_floating_point() else target)
+
+
 def convert_to_amp(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -152,12 +165,21 @@ def convert_to_amp(
         ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, ``"fp8"``, or a config
         object such as ``FP16NaiveMixedPrecision(hysteresis=3)``. Each means exactly
         the same mode and keys.
-      process_group: a ``ProcessGroup`` or a sequence of them (e.g. tensor-parallel and
-        pipeline groups): ``found_inf`` is MAX-all-reduced over each, so all their ranks
-        skip or step together. None: no reduction (with plain DDP the gradients are
-        already identical on every rank). In the fp8 mode with per-tensor recipes
-        (tensorwise, delayed) the amaxes are MAX-reduced over these groups too: pass
-        the data-parallel group so every rank has the same scales and histories.
+      process_group: a ``ProcessGroup`` or a sequence of them: the groups the model is
+        split over by hand (tensor-parallel and pipeline groups). ``found_inf`` is
+        MAX-all-reduced over each, so all their ranks skip or step together, and
+        ``clip_grad_norm`` sums plain gradients over them (params marked with
+        `mark_replicated` counted once). DTensor params (FSDP2 ``fully_shard``,
+        ``parallelize_module``) need nothing here: every dimension of their device
+        meshes is found from the params. None: no reduction (with plain DDP the
+        gradients are already identical on every rank; naming a data-parallel group
+        is harmless for the skip but would count its averaged gradients N times in
+        the clipping norm). FSDP2 / tensor parallelism go first: shard, build the
+        optimizer over the sharded params, then convert, before the first forward
+        (the other order is refused at the first forward). In the fp8 mode with
+        per-tensor recipes (tensorwise, delayed) the amaxes are MAX-reduced over these
+        groups too: pass the data-parallel group so every rank has the same scales and
+        histories (and then do not use ``clip_grad_norm`` with it, see above).
       device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``, to assert where
         the model runs; None = its params'.
       is_norm: ``(qualified_name, module) -> bool`` choosing the normalisation layers
@@ -233,6 +255,7 @@ def convert_to_amp(
         target = DTYPES[plan.cast_model_type]
         if target in HALF:
             refuse_data_parallel_wrapper(model, plan)
+        _check_fsdp_units(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
         if plan.master_weights:
             if any(len(opt.state) > 0 for opt in optimizers):
                 raise ValueError("`optimizer` already has state; convert it to master "

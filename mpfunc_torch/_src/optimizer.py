@@ -10,6 +10,7 @@ import torch
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import checkpoint, fused
+from mpfunc_torch._src.clipping import clip_grads_with_norm_, global_grad_norm
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.grads import (
     add_back_unscaled_,
@@ -28,6 +29,7 @@ from mpfunc_torch._src.master_weights import (
     release_master_grads_,
     swap_in_masters_,
 )
+from mpfunc_torch._src.sharding import mesh_groups
 
 __all__ = ["AmpOptimizer"]
 
@@ -135,6 +137,13 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._fused and not self._pairs and n == 1 and not plan.clip_grad
             and not plan.log_num_zeros_in_grad and not self._scalers[0].may_go_below_one)
         self._index_params()
+        # The inf check is reduced over the groups named and over every dimension of the
+        # device meshes of DTensor params (FSDP2, tensor parallelism); clipping sums plain
+        # gradients over the named groups and DTensor ones over their meshes.
+        self._clip_groups = tuple(process_groups)
+        self._groups = self._clip_groups + tuple(
+            g for g in mesh_groups(self._owned + self._sources)
+            if all(g is not h for h in self._clip_groups))
 
     def _index_params(self) -> None:
         source_of = {id(m): p for p, m in self._pairs}
@@ -302,17 +311,41 @@ class AmpOptimizer(torch.optim.Optimizer):
             self._found_inf_per_loss[0].copy_(found)
         self._stage = _UNSCALED
 
+    def backward_done(self) -> None:
+        """Says that the scaled backward of this step ran outside this optimizer.
+
+        For a pipeline schedule (``torch.distributed.pipelining``) whose ``loss_fn``
+        returns ``optimizer.scale_loss(loss)``: the last stage scales its losses, and the
+        gradients reaching the other stages are scaled with them; those stages call
+        this before `clip_grad_norm` / `step`.
+        """
+        if self._stage == _UNSCALED:
+            raise RuntimeError("backward_done() after unscale_()/clip_grad_norm() and before "
+                               "step(): gradients of one step must share one scale.")
+        self._finish_pending()
+        if self._stage == _READY:
+            self._stage = _BACKWARD
+
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscales (if not yet done) and clips the gradients' global norm.
 
-        The norm is over the gradients this optimizer owns on this rank (float32 masters
-        with master weights; sparse ones through their values). Returns the total norm
-        before clipping, as a device tensor; it is inf/NaN on an overflow step, which
-        `step` then skips anyway.
+        The norm is over the gradients this optimizer owns (float32 masters with master
+        weights; sparse ones through their values) on every rank that holds a part of
+        them: DTensor gradients (FSDP2, tensor parallelism) over their device meshes,
+        plain ones summed over the ``process_group`` given to `convert_to_amp`, with
+        params marked by `mark_replicated` counted once (see `clip_grad_norm_`). Every
+        rank clips by the same factor. Returns the total norm before clipping, as a
+        device tensor; it is inf/NaN on an overflow step, which `step` then skips anyway.
         """
         if self._stage != _UNSCALED:
             self.unscale_()
-        return fused.clip_grads_(grads_of(self._owned), max_norm, norm_type)
+        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or \
+                not max_norm > 0:
+            raise ValueError(f"`max_norm` must be a number > 0, got {max_norm!r}.")
+        total = global_grad_norm(self._owned, norm_type, process_group=self._clip_groups,
+                                 mark_sources=self._sources)
+        clip_grads_with_norm_(self._owned, float(max_norm), total)
+        return total
 
     @_profile_hook_step
     def step(self, closure=None) -> torch.Tensor:

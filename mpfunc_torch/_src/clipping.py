@@ -1,0 +1,259 @@
+"""Global gradient-norm clipping across ranks, with replicated params counted once.
+
+``torch.nn.utils.clip_grad_norm_`` sees the gradients of one rank. When a model is split
+over ranks (tensor parallelism by hand, pipeline stages, FSDP2 or DTensor meshes), each
+rank would clip by a different factor and the split model would no longer train like the
+unsplit one. Here the norm is global:
+
+* DTensor gradients (FSDP2, ``parallelize_module``): each rank adds ``|g|^p`` of its
+  local shard, counting a shard only on the first rank of every mesh dimension the
+  tensor is replicated over, then the sums are all-reduced over that mesh's dimensions.
+* Plain gradients: summed over the ``process_group`` groups (tensor- or pipeline-
+  parallel groups), except params marked with `mark_replicated`, which count on the
+  first rank of the group they are replicated over (Megatron's
+  ``param_is_not_tensor_parallel_duplicate``).
+
+This mirrors ``mpfunc.clip_by_global_norm(..., axis_name=...)`` on the JAX side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from mpfunc_torch._src.distributed import normalize_groups
+from mpfunc_torch._src.sharding import is_dtensor, local
+
+__all__ = ["mark_replicated", "replicated_over", "clip_grad_norm_", "global_grad_norm",
+           "clip_grads_with_norm_"]
+
+_ATTR = "_mpfunc_replicated_over"
+
+
+def mark_replicated(params: torch.Tensor | Iterable[torch.Tensor], process_group: Any) -> None:
+    """Declares that ``params`` are replicated over ``process_group``: every rank of it
+    holds the same values and gradients (a norm weight, the bias after a row-parallel
+    layer, an embedding that is not split). Global norms then count them once.
+
+    The mark is an attribute on the tensor, as Megatron's ``tensor_model_parallel`` is;
+    mark the model's params (before or after `convert_to_amp`; master weights find it
+    through their param). Marking again over another group adds to the marks.
+
+    Args:
+      params: a tensor or an iterable of tensors (e.g. ``norm.parameters()``).
+      process_group: a ``ProcessGroup`` or a sequence of them.
+
+    Examples:
+      >>> import torch, mpfunc_torch
+      >>> norm = torch.nn.LayerNorm(4)
+      >>> # with torch.distributed initialised and `tp` the tensor-parallel group:
+      >>> # mpfunc_torch.mark_replicated(norm.parameters(), tp)
+    """
+    items = process_group if isinstance(process_group, list | tuple) else [process_group]
+    if process_group is not None and not all(
+            isinstance(g, torch.distributed.ProcessGroup) for g in items):
+        raise TypeError("`process_group` must be a torch.distributed.ProcessGroup or a "
+                        f"sequence of them, got {process_group!r}.")
+    groups = normalize_groups(process_group)
+    if not groups:
+        raise ValueError("`process_group` must be a ProcessGroup or a non-empty sequence of "
+                         "them, got None.")
+    items = [params] if isinstance(params, torch.Tensor) else list(params)
+    for i, p in enumerate(items):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"`params` must be tensors, got {type(p).__name__} at index {i}.")
+    for p in items:
+        old = getattr(p, _ATTR, ())
+        setattr(p, _ATTR, old + tuple(g for g in groups if all(g is not h for h in old)))
+
+
+def replicated_over(*tensors: torch.Tensor) -> tuple[Any, ...]:
+    """The groups any of ``tensors`` was marked replicated over (see `mark_replicated`)."""
+    out: list[Any] = []
+    for t in tensors:
+        for g in getattr(t, _ATTR, ()):
+            if all(g is not h for h in out):
+                out.append(g)
+    return tuple(out)
+
+
+def _check_norm_type(norm_type: Any) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, int | float):
+        raise TypeError(f"`norm_type` must be a float (> 0, or inf), got "
+                        f"{type(norm_type).__name__}.")
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"`norm_type` must be > 0 or inf, got {norm_type!r}.")
+    return norm_type
+
+
+def _values(g: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient as a dense tensor that aliases it: a DTensor's local
+    shard, a sparse gradient's values (it must be coalesced: an uncoalesced tensor's
+    values are a temporary copy, and clipping them would not reach the gradient)."""
+    g = local(g)
+    if g.is_sparse:
+        if not g.is_coalesced():
+            raise ValueError("a sparse gradient is not coalesced; coalesce it into "
+                             "`param.grad` first (param.grad = param.grad.coalesce()).")
+        g = g._values()
+    return g
+
+
+def _first_on_replicas(grad: torch.Tensor, marks: Sequence[Any]) -> bool:
+    """Whether this rank is the one that counts ``grad`` (see the module docstring)."""
+    for g in marks:
+        if torch.distributed.get_rank(g) != 0:
+            return False
+    if is_dtensor(grad):
+        mesh = grad.device_mesh
+        for dim, placement in enumerate(grad.placements):
+            if placement.is_replicate() and mesh.get_local_rank(dim) != 0:
+                return False
+    return True
+
+
+def _by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    out: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
+
+
+def _power_sum(grads: Sequence[torch.Tensor], norm_type: float,
+               device: torch.device) -> torch.Tensor:
+    """sum |g|^p over ``grads`` (max |g| for p = inf), float32, on ``device``."""
+    acc = torch.zeros((), dtype=torch.float32, device=device)
+    for group in _by_device_dtype(grads).values():
+        norms = torch._foreach_norm(group, norm_type, dtype=torch.float32)
+        stacked = torch.stack(norms).to(device)
+        if math.isinf(norm_type):
+            acc = torch.maximum(acc, stacked.max())
+        else:
+            acc = acc + stacked.pow(norm_type).sum()
+    return acc
+
+
+def _all_reduce(t: torch.Tensor, groups: Sequence[Any], norm_type: float) -> None:
+    op = torch.distributed.ReduceOp.MAX if math.isinf(norm_type) else torch.distributed.ReduceOp.SUM
+    for g in groups:
+        torch.distributed.all_reduce(t, op=op, group=g)
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
+                     process_group: Any = None,
+                     mark_sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """The norm of the gradients of ``params`` over every rank that holds a part of them.
+
+    Every rank of the meshes and groups involved must call it with its params in the
+    same order (it runs collectives). See the module docstring for what is summed where.
+
+    Args:
+      params: tensors whose ``.grad`` is measured (None grads count as zero).
+      norm_type: p of the p-norm (``inf`` for the max norm).
+      process_group: groups over which plain gradients are split (tensor- or pipeline-
+        parallel groups); None for none. Do not name a DTensor mesh's own groups here:
+        those are found from the gradients.
+      mark_sources: for each param, another tensor whose `mark_replicated` marks apply
+        too (the model param behind a master weight).
+
+    Returns:
+      The total norm, a float32 0-dim tensor on the params' device, equal on every rank.
+    """
+    norm_type = _check_norm_type(norm_type)
+    groups = normalize_groups(process_group)
+    params = list(params)
+    sources = list(mark_sources) if mark_sources is not None else params
+    if len(sources) != len(params):
+        raise ValueError(f"`mark_sources` must have one tensor per param ({len(params)}), "
+                         f"got {len(sources)}.")
+    if not params:
+        return torch.zeros((), dtype=torch.float32)
+    device = local(params[0]).device
+    if not groups and not any(is_dtensor(p) or replicated_over(p, s)
+                              for p, s in zip(params, sources)):
+        # One rank holds everything: torch's get_total_norm, computed in float32 (the
+        # same bits for float32 gradients; no float16 overflow for half ones).
+        values = [_values(p.grad) for p in params if p.grad is not None]
+        norms = [n.to(device) for group in _by_device_dtype(values).values()
+                 for n in torch._foreach_norm(group, norm_type, dtype=torch.float32)]
+        if not norms:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    plain: list[torch.Tensor] = []
+    meshes: list[tuple[Any, list[torch.Tensor]]] = []
+    for p, src in zip(params, sources):
+        g = p.grad
+        bucket = plain
+        if is_dtensor(p):
+            for mesh, items in meshes:
+                if mesh is p.device_mesh or mesh == p.device_mesh:
+                    bucket = items
+                    break
+            else:
+                bucket = []
+                meshes.append((p.device_mesh, bucket))
+        if g is None:
+            continue
+        if is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
+            raise ValueError(
+                "a gradient is a DTensor with a Partial placement (not yet reduced over its "
+                f"mesh: {g.placements}); clip after the backward's reductions have run.")
+        if _first_on_replicas(g, replicated_over(p, src)):
+            bucket.append(_values(g))
+    total = _power_sum(plain, norm_type, device)
+    for mesh, items in meshes:
+        part = _power_sum(items, norm_type, device)
+        _all_reduce(part, [mesh.get_group(d) for d in range(mesh.ndim)], norm_type)
+        total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
+    _all_reduce(total, groups, norm_type)
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float,
+                          total_norm: torch.Tensor) -> None:
+    """Scales every gradient (each rank's shard) by ``min(1, max_norm / (total_norm +
+    1e-6))``, as ``torch.nn.utils.clip_grads_with_norm_`` does; no host sync."""
+    grads = [_values(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for dev, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(dev))
+
+
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0, *, process_group: Any = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm taken over every rank.
+
+    FSDP2 and DTensor tensor-parallel gradients are handled from their placements; for
+    hand-split models name the groups the gradients are split over in ``process_group``
+    (tensor- and pipeline-parallel groups, not a data-parallel group whose gradients are
+    already averaged) and `mark_replicated` the params that every rank of a group holds
+    whole. All ranks then clip by the same factor, so the split model trains like the
+    unsplit one. `AmpOptimizer.clip_grad_norm` calls this with the optimizer's groups.
+
+    Returns:
+      The total norm before clipping (a float32 0-dim tensor, the same on every rank).
+
+    Examples:
+      >>> import torch, mpfunc_torch
+      >>> w = torch.nn.Parameter(torch.ones(4))
+      >>> w.grad = torch.full((4,), 3.0)
+      >>> float(mpfunc_torch.clip_grad_norm_([w], max_norm=1.0))
+      6.0
+      >>> round(float(w.grad.norm()), 4)
+      1.0
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
+        raise ValueError(f"`max_norm` must be a number > 0, got {max_norm!r}.")
+    total = global_grad_norm(params, norm_type, process_group=process_group)
+    clip_grads_with_norm_(params, float(max_norm), total)
+    return total

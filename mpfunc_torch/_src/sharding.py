@@ -1,0 +1,148 @@
+"""DTensor awareness for FSDP2 and tensor parallelism: local shards, mesh groups, casts.
+
+Params sharded by ``torch.distributed.fsdp.fully_shard`` or
+``torch.distributed.tensor.parallel.parallelize_module`` are DTensors, and so are their
+gradients. mpfunc works on each rank's local shard (one fused kernel, no hidden
+collective) and then reduces explicitly over every dimension of every device mesh the
+params live on, so that an overflow in one rank's shard makes every rank skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "is_dtensor",
+    "local",
+    "locals_of",
+    "mesh_groups",
+    "cast_module_",
+    "fsdp_units",
+    "check_fsdp_units",
+    "local_bytes",
+]
+
+try:  # torch.distributed is optional in torch builds
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - builds without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (``t`` itself for a plain tensor); in-place ops on it
+    change ``t``. Never a collective."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def locals_of(tensors: Iterable[torch.Tensor | None]) -> list[torch.Tensor]:
+    """`local` of each tensor that is not None."""
+    return [local(t) for t in tensors if t is not None]
+
+
+def mesh_groups(tensors: Iterable[torch.Tensor]) -> tuple[Any, ...]:
+    """The process groups of every dimension of every device mesh among ``tensors``'
+    DTensors, each once, in a deterministic order (first appearance, then mesh dims).
+
+    MAX-reducing a flag over all of them in turn makes it global over every rank that
+    holds a shard of these tensors, whatever their placements."""
+    groups: list[Any] = []
+    seen_meshes: list[Any] = []
+    for t in tensors:
+        if not is_dtensor(t):
+            continue
+        mesh = t.device_mesh
+        if any(mesh is m or mesh == m for m in seen_meshes):
+            continue
+        seen_meshes.append(mesh)
+        for dim in range(mesh.ndim):
+            g = mesh.get_group(dim)
+            if all(g is not h for h in groups):
+                groups.append(g)
+    return tuple(groups)
+
+
+def _cast_fn(dtype: torch.dtype):
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return cast
+
+
+def cast_module_(module: nn.Module, dtype: torch.dtype) -> None:
+    """Casts ``module``'s own floating params and buffers (not its children's) to
+    ``dtype`` in place, the way ``module.to(dtype)`` does.
+
+    Plain params keep their identity and change their ``.data``; DTensor params (FSDP2,
+    tensor parallelism) keep their identity too, through ``torch.utils.swap_tensors``,
+    so that the local shard, the DTensor and what FSDP2 all-gathers agree. Setting
+    ``param.data`` on a DTensor would change only the outer dtype and leave the shard in
+    the old one.
+    """
+    module._apply(_cast_fn(dtype), recurse=False)
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """``(name, module, params)`` for every ``fully_shard`` unit in ``model``: the params
+    each one all-gathers (its subtree's, minus those of nested units)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return []
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    out = []
+    for name, unit in units:
+        nested = {id(p) for n2, m2 in units if m2 is not unit
+                  and n2.startswith(name + "." if name else "") for p in m2.parameters()}
+        params = [(pn, p) for pn, p in unit.named_parameters() if id(p) not in nested]
+        out.append((name, unit, params))
+    return out
+
+
+def check_fsdp_units(model: nn.Module, dtype_of: Callable[[nn.Parameter], torch.dtype]) -> None:
+    """Before a cast that gives ``model``'s params the dtypes ``dtype_of`` says: refuses
+    what FSDP2 cannot take, with what to do instead.
+
+    * A ``fully_shard`` unit that already ran a forward has fixed its dtypes (FSDP2 reads
+      them once, at its lazy init): convert before the first forward.
+    * FSDP2 all-gathers each unit's params as one buffer, so they must share a dtype;
+      otherwise its first forward fails with an AssertionError.
+    """
+    for name, unit, params in fsdp_units(model):
+        where = f"`model.{name}`" if name else "`model`"
+        try:
+            state = unit._get_fsdp_state()
+        except (AttributeError, AssertionError):  # pragma: no cover - other torch versions
+            state = None
+        if getattr(state, "_is_root", None) is not None:
+            raise ValueError(
+                f"{where} (fully_shard) has already run a forward, which fixed its dtypes; "
+                "call convert_to_amp after fully_shard and before the first forward.")
+        dtypes = {dtype_of(p) for _, p in params if p.requires_grad}
+        if len(dtypes) > 1:
+            by_dtype: dict[torch.dtype, list[str]] = {}
+            for pn, p in params:
+                by_dtype.setdefault(dtype_of(p), []).append(pn)
+            listing = "; ".join(f"{str(d).replace('torch.', '')}: {names[:3]}"
+                                for d, names in by_dtype.items())
+            raise ValueError(
+                f"{where} is one fully_shard unit whose params would have several dtypes "
+                f"after the cast ({listing}); FSDP2 all-gathers a unit in one dtype. Keep "
+                "the float32 layers (norms) in units of their own: call fully_shard(norm) "
+                "on each of them before fully_shard on its parent, or pass "
+                "keep_batchnorm_fp32=False.")
+
+
+def local_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` held on this rank (local shards for DTensors)."""
+    return sum(local(t).numel() * local(t).element_size() for t in tensors)

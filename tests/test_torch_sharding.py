@@ -1,0 +1,115 @@
+"""mpfunc_torch._src.sharding and the FSDP2 / pipeline hooks of convert_to_amp and
+AmpOptimizer, in one process (a 1-rank gloo world). The multi-rank behaviour is in
+test_torch_fsdp.py, test_torch_tensor_parallel.py and test_torch_pipeline.py."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import mpfunc_torch
+from mpfunc_torch._src.sharding import is_dtensor, local, local_bytes, mesh_groups
+
+
+@pytest.fixture(scope="module")
+def world():
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if mine:
+        dist.destroy_process_group()
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                               torch.nn.Linear(16, 4))
+
+
+def step(model, opt, x=None):
+    x = torch.randn(4, 8) if x is None else x
+    opt.zero_grad()
+    opt.backward(model(x).float().square().mean())
+    return opt.step()
+
+
+@pytest.mark.parametrize("mode, cfg", [("naive", {"initial_scale": 2.0**8}),
+                                       ("apex", {"opt_level": "O3", "verbosity": 0}),
+                                       ("torch", {})])
+def test_fully_shard_then_convert_casts_the_shards_and_keeps_dtensor_masters(world, mode, cfg):
+    net = mlp()
+    for m in net:
+        fully_shard(m)
+    fully_shard(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt, _ = mpfunc_torch.convert_to_amp(net, opt, mode=mode, **cfg)
+    half = mode != "torch"
+    for p in net.parameters():
+        assert is_dtensor(p)
+        # The DTensor and its local shard agree (setting .data would change only one).
+        assert p.dtype == local(p).dtype == (torch.float16 if half else torch.float32)
+    masters = [m for _, m in opt._pairs]
+    assert len(masters) == (6 if mode == "naive" else 0)
+    assert all(is_dtensor(m) and local(m).dtype == torch.float32 for m in masters)
+    assert local_bytes(masters) == 2 * local_bytes([p for p, _ in opt._pairs])
+    assert len(opt._groups) == 1 and opt._groups == mesh_groups(net.parameters())
+    before = [local(p).clone() for p in net.parameters()]
+    assert bool(step(model, opt))
+    assert any(not torch.equal(a, local(p)) for a, p in zip(before, net.parameters()))
+
+
+def test_convert_then_fully_shard_is_refused_at_the_first_forward(world):
+    net = mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt, _ = mpfunc_torch.convert_to_amp(net, opt, mode="naive")
+    fully_shard(net)  # replaces the params the optimizer holds
+    with pytest.raises(ValueError, match=r"Shard first, then build the optimizer"):
+        model(torch.randn(2, 8))
+
+
+def test_fsdp_units_the_cast_would_break_are_refused(world):
+    net = mlp()
+    fully_shard(net)  # one unit holding the Linears and the LayerNorm
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"fully_shard\(norm\)"):  # O2 keeps norms float32
+        mpfunc_torch.convert_to_amp(net, opt, mode="apex", opt_level="O2", verbosity=0)
+    assert all(p.dtype == torch.float32 for p in net.parameters())  # nothing was cast
+    net(torch.randn(2, 8)).sum().backward()  # FSDP2's lazy init fixes the dtypes
+    with pytest.raises(ValueError, match="before the first forward"):
+        mpfunc_torch.convert_to_amp(net, opt, mode="naive")
+
+
+def test_backward_done_for_a_backward_run_elsewhere():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.MSELoss(),
+                                                   mode="naive", initial_scale=2.0**8)
+    ref = torch.nn.Linear(4, 1)
+    ref.load_state_dict({k: v.float() for k, v in net.state_dict().items()})
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    opt.zero_grad()
+    opt.scale_loss(crit(model(x), y)).backward()  # as a pipeline schedule does
+    opt.backward_done()  # a stage that never called scale_loss
+    assert bool(opt.step())
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    master = opt.param_groups[0]["params"][0]
+    torch.testing.assert_close(master, ref.weight.detach() - 0.1 * ref.weight.grad,
+                               rtol=1e-3, atol=1e-3)
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="before backward"):
+        opt.step()  # zero_grad then step: backward_done was not called
+    opt.scale_loss(crit(model(x), y)).backward()
+    opt.unscale_()
+    with pytest.raises(RuntimeError, match="backward_done"):
+        opt.backward_done()
+
+
+def test_clip_grad_norm_bad_max_norm():
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt, _ = mpfunc_torch.convert_to_amp(net, opt, mode="torch")
+    opt.backward(model(torch.randn(2, 4)).float().sum())
+    with pytest.raises(ValueError, match="`max_norm`"):
+        opt.clip_grad_norm(0.0)
