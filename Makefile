@@ -1,6 +1,7 @@
 # Two entry points, each of which sets up the local virtual environment first:
 #   make demo   trains a small model in mixed precision and prints what it did
-#   make test   runs the test suite
+#   make test   runs the default test suite (everything but the tests marked slow)
+#   make test-slow  runs the slow ones (multi-process, whole examples); CI runs both
 # The environment in .venv is reused on later runs; it is rebuilt when pyproject.toml or
 # constraints.txt change.
 
@@ -10,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.mpfunc-installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-slow lint venv clean
 
 venv: $(STAMP)
 
@@ -23,7 +24,10 @@ demo: $(STAMP)
 	$(BIN)/python examples/compare_modes.py --quick
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

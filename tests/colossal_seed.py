@@ -87,8 +87,9 @@ class Booster:
     def __init__(self, mixed_precision=None, plugin=None):
         if isinstance(mixed_precision, str):
             mode = SEED_BOOSTER_NAMES[mixed_precision]
-            cls = {v: k for k, v in SEED_CLASS_MODES.items()}[mode]
-            self.spec = (mode, seed_defaults(cls))
+            cls = {v: k for k, v in SEED_CLASS_MODES.items()}.get(mode)
+            # "fp8" has no config class in the seed: it asks for the mode, no keys.
+            self.spec = (mode, seed_defaults(cls) if cls else {})
         else:
             self.spec = mixed_precision
 
