@@ -253,11 +253,17 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
         raise ValueError(f"`mode` must be one of {list(MODES)}, got {mode!r}.")
     mode_name = mode_name.lower()
     cfg = _check_keys(mode_name, config)
+    if "enabled" in cfg and not _bool(cfg, "enabled"):
+        # A disabled mode still gets every value checked, so that turning it on later
+        # cannot be the first time a typo in its config surfaces.
+        check = {**config, "enabled": True}
+        if mode_name == "torch" and cfg["dtype"] is None:
+            check["dtype"] = "float16"  # dtype=None is how plain float32 is spelled
+        resolve_amp(mode_name, check)
+        return AmpPlan(mode=mode_name, enabled=False,
+                       **({"opt_level": cfg["opt_level"]} if mode_name == "apex" else {}))
 
     if mode_name == "torch":
-        enabled = _bool(cfg, "enabled")
-        if not enabled:
-            return AmpPlan(mode="torch", enabled=False)
         scale = resolve_scale_config(
             "torch",
             init_scale=cfg["init_scale"],
@@ -306,7 +312,6 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
         )
 
     # apex
-    enabled = _bool(cfg, "enabled")
     level = cfg["opt_level"]
     if level not in APEX_OPT_LEVELS:
         raise ValueError(f"`opt_level` must be one of {sorted(APEX_OPT_LEVELS)}, got {level!r}.")
@@ -315,8 +320,6 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
                 "master_weights", "loss_scale"):
         if cfg[key] is not None:
             props[key] = cfg[key]
-    if not enabled:
-        return AmpPlan(mode="apex", enabled=False, opt_level=level)
     num_losses = cfg["num_losses"]
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"`num_losses` must be an int >= 1, got {num_losses!r}.")

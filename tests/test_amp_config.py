@@ -67,3 +67,21 @@ def test_errors(mode, cfg, err, match):
 def test_dtype_names():
     assert dtype_name("half", "x") == "float16" and dtype_name("bf16", "x") == "bfloat16"
     assert dtype_name(None, "x") is None
+
+
+@pytest.mark.parametrize("mode, config, key", [
+    ("torch", {"enabled": False, "init_scale": "big"}, "init_scale"),
+    ("torch", {"enabled": False, "dtype": "int8"}, "dtype"),
+    ("apex", {"enabled": False, "opt_level": "O2", "min_loss_scale": -1.0}, "min_loss_scale"),
+    ("apex", {"enabled": False, "opt_level": "O1", "verbosity": -3}, "verbosity"),
+])
+def test_a_disabled_mode_still_checks_its_values(mode, config, key):
+    # Turning the mode on later must not be the first time a bad value surfaces.
+    with pytest.raises((ValueError, TypeError), match=f"`{key}`"):
+        resolve_amp(mode, config)
+    plan = resolve_amp(mode, {**config, key: MODE_DEFAULTS[mode][key]})
+    assert not plan.enabled
+
+
+def test_a_disabled_torch_mode_accepts_dtype_none():
+    assert not resolve_amp("torch", {"enabled": False, "dtype": None}).enabled
