@@ -8,7 +8,9 @@ it, at three depths of an MLP (width 256, two leaves per layer), all compiled as
   temporaries - aliased (donated) bytes. Deterministic.
 * compile time: ``lower`` + ``compile``, the minimum over ``--compile-repeats``.
 * step time: the fastest of interleaved rounds (A B C ... A B C ...), which on a shared
-  machine is the round no other process interrupted (the median is in the JSON).
+  machine is the round no other process interrupted. The JSON also has the median, and
+  the median over rounds of each round's ratio to its baseline's time in that round
+  (``step_ratio_paired_median``, the steadiest figure on a noisy machine).
 
     python benchmarks/jax_scale_cost.py [--depths 8 24 96] [--batch 32] [--json F]
 """
@@ -51,6 +53,14 @@ def apply_mlp(params, x):
     x = x.astype(jnp.float32)
     x = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
     return x * ln["scale"].astype(jnp.float32) + ln["bias"].astype(jnp.float32)
+
+
+F16 = mpfunc.get_policy("params=float32,compute=float16,output=float32")
+
+
+def apply_mlp_f16(params, x):
+    """The same MLP computing in float16 from float32 params (where loss scaling is needed)."""
+    return F16.cast_to_output(apply_mlp(F16.cast_to_compute(params), F16.cast_to_compute(x)))
 
 
 def mse(out):
@@ -129,6 +139,7 @@ def helper_step(tx):
 def scaling_variants():
     """name -> (baseline name, init, step, cast_params)."""
     adam = optax.adam(LR)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), adam)
     cfg = resolve_scale_config("torch")
     internal = lambda how: _scale_transform(adam, cfg=cfg, static_value=None,  # noqa: E731
                                             axis_name=None, skip_with=how)
@@ -148,6 +159,18 @@ def scaling_variants():
         "optax.chain(mpfunc.dynamic_scale(), adam)": (
             "plain optax.adam", *optax_step(optax.chain(mpfunc.dynamic_scale(), adam), True),
             ident),
+        # Where a loss scale is used: float32 params, float16 compute.
+        "plain optax.adam, float16 compute": (None, *optax_step(adam, False, apply_mlp_f16),
+                                              ident),
+        "mpfunc.dynamic_scale(adam), float16 compute": (
+            "plain optax.adam, float16 compute",
+            *optax_step(mpfunc.dynamic_scale(adam), True, apply_mlp_f16), ident),
+        # Global-norm clipping, as most large-model recipes use: it too must see every
+        # gradient before it updates any parameter.
+        "optax.chain(clip_by_global_norm(1.0), adam)": (None, *optax_step(clipped), ident),
+        "mpfunc.dynamic_scale(chain(clip_by_global_norm(1.0), adam))": (
+            "optax.chain(clip_by_global_norm(1.0), adam)",
+            *optax_step(mpfunc.dynamic_scale(clipped), True), ident),
         "select on the outputs (before)": ("plain optax.adam",
                                            *optax_step(internal("select"), True), ident),
         "lax.cond": ("plain optax.adam", *optax_step(internal("cond"), True), ident),
@@ -209,12 +232,15 @@ def measure(variants, depth, batch, compile_repeats, rounds, iters):
         # did not interrupt. The median is kept too.
         row["step_ms"] = min(runs[name][3]) * 1e3 if rounds else float("nan")
         row["step_ms_median"] = statistics.median(runs[name][3]) * 1e3 if rounds else None
-    for row in rows.values():
+    for name, row in rows.items():
         if row["baseline"] is not None:
             b = rows[row["baseline"]]
             row["peak_ratio"] = row["peak_bytes"] / b["peak_bytes"]
             row["compile_ratio"] = row["compile_s"] / b["compile_s"]
             row["step_ratio"] = row["step_ms"] / b["step_ms"]
+            if rounds:  # each round against its baseline's time in the same round
+                row["step_ratio_paired_median"] = statistics.median(
+                    t / tb for t, tb in zip(runs[name][3], runs[row["baseline"]][3]))
     n_leaves = len(jax.tree_util.tree_leaves(params32))
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params32))
     return {"depth": depth, "leaves": n_leaves, "params": int(n_params), "rows": rows}
