@@ -18,11 +18,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def launch(grouped: bool):
+def launch(grouped):
     port = str(_free_port())
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), port, str(int(grouped))],
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), port, str(grouped)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     out = []
@@ -54,7 +54,54 @@ def test_without_a_group_the_ranks_diverge():
     assert r0["tensorwise_scale"] == 448.0 and r1["tensorwise_scale"] == 448.0 / 4.0
 
 
-def _worker(rank: int, port: str, grouped: bool) -> None:  # pragma: no cover - subprocess
+def test_ddp_amax_group_keeps_the_clipping_norm_right():
+    # The amax group (data parallel) is its own argument: every rank gets the same fp8
+    # histories, and clip_grad_norm still sees DDP's averaged gradients once. Naming the
+    # data-parallel group in `process_group` instead counts them once per rank (sqrt 2).
+    r0, r1 = launch("ddp")
+    for r in (r0, r1):
+        assert r["amax_group"]["norm"] == pytest.approx(r["amax_group"]["local_norm"], rel=1e-6)
+        assert r["process_group"]["norm"] == pytest.approx(
+            r["process_group"]["local_norm"] * 2**0.5, rel=1e-6)
+    assert r0["amax_group"]["histories"] == r1["amax_group"]["histories"]
+    assert r0["amax_group"]["norm"] == r1["amax_group"]["norm"]
+    hist = r0["amax_group"]["histories"]["0.fp8_amax_history_input"]
+    assert hist[0] == max(r0["local_amax"], r1["local_amax"]) > min(r0["local_amax"],
+                                                                    r1["local_amax"])
+
+
+def _ddp_worker(rank: int) -> dict:  # pragma: no cover - subprocess
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import mpfunc_torch
+
+    out = {"rank": rank}
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1 + rank)) * (1 + 3 * rank)
+    y = torch.randn(8, 4, generator=torch.Generator().manual_seed(9 + rank))
+    out["local_amax"] = float(x.abs().max())
+    for how in ("amax_group", "process_group"):
+        torch.manual_seed(0)  # the same weights on both ranks
+        net = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(),
+                                  torch.nn.Linear(16, 4))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        group = {"fp8_amax_group" if how == "amax_group" else how: dist.group.WORLD}
+        model, opt, crit = mpfunc_torch.convert_to_amp(
+            net, opt, torch.nn.MSELoss(), mode="fp8", recipe="delayed", **group)
+        # broadcast_buffers=False: the histories agree through the amax reduction alone
+        ddp = DDP(model, broadcast_buffers=False)
+        opt.backward(crit(ddp(x), y))
+        norm = opt.clip_grad_norm(1e9)
+        local = torch.stack([p.grad.float().square().sum() for p in net.parameters()])
+        out[how] = {"norm": float(norm), "local_norm": float(local.sum().sqrt()),
+                    "histories": {k: v.tolist() for k, v in net.state_dict().items()
+                                  if "fp8_" in k}}
+        opt.step()
+    return out
+
+
+def _worker(rank: int, port: str, grouped: str) -> None:  # pragma: no cover - subprocess
     import torch
     import torch.distributed as dist
 
@@ -62,7 +109,11 @@ def _worker(rank: int, port: str, grouped: bool) -> None:  # pragma: no cover - 
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
-    group = dist.group.WORLD if grouped else None
+    if grouped == "ddp":
+        print("RESULT " + json.dumps(_ddp_worker(rank)), flush=True)
+        dist.destroy_process_group()
+        return
+    group = dist.group.WORLD if grouped == "True" else None
     recipe = mpfunc_torch.Fp8Recipe("delayed", amax_history_len=4)
     torch.manual_seed(0)  # the same weights on both ranks (data parallel)
     layer = mpfunc_torch.Fp8Linear(32, 16, recipe=recipe, process_group=group, gemm="emulate")
@@ -83,4 +134,4 @@ def _worker(rank: int, port: str, grouped: bool) -> None:  # pragma: no cover - 
 
 
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), sys.argv[2], bool(int(sys.argv[3])))
+    _worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])

@@ -113,3 +113,22 @@ def test_clip_grad_norm_bad_max_norm():
     opt.backward(model(torch.randn(2, 4)).float().sum())
     with pytest.raises(ValueError, match="`max_norm`"):
         opt.clip_grad_norm(0.0)
+
+
+def test_fp8_amax_group_is_checked(world):
+    group = dist.group.WORLD
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    with pytest.raises(TypeError, match="`fp8_amax_group` must be a torch.distributed"):
+        net = mlp()
+        mpfunc_torch.convert_to_amp(net, sgd(net), mode="fp8", fp8_amax_group="data")
+    with pytest.raises(ValueError, match="`fp8_amax_group` applies to mode='fp8' only"):
+        net = mlp()
+        mpfunc_torch.convert_to_amp(net, sgd(net), mode="bf16", fp8_amax_group=group)
+    with pytest.raises(ValueError, match="`fp8_amax_group` applies to per-tensor"):
+        net = mlp()
+        mpfunc_torch.convert_to_amp(net, sgd(net), mode="fp8", recipe="rowwise",
+                                    fp8_amax_group=group)
+    net = mlp()
+    model, _, _ = mpfunc_torch.convert_to_amp(net, sgd(net), mode="fp8", fp8_amax_group=group)
+    fp8 = [m for m in net.modules() if isinstance(m, mpfunc_torch.Fp8Linear)]
+    assert fp8 and all(m._groups == (group,) for m in fp8)

@@ -10,8 +10,11 @@ import torch
 __all__ = ["normalize_groups", "all_reduce_found_inf_"]
 
 
-def normalize_groups(process_group: Any) -> tuple[Any, ...]:
-    """``None`` -> (), one group -> (group,), a sequence of groups -> tuple of groups."""
+def normalize_groups(process_group: Any, name: str = "process_group") -> tuple[Any, ...]:
+    """``None`` -> (), one group -> (group,), a sequence of groups -> tuple of groups.
+
+    Errors name ``name``, the argument the user passed.
+    """
     if process_group is None:
         return ()
     if isinstance(process_group, Sequence) and not isinstance(process_group, str):
@@ -19,16 +22,16 @@ def normalize_groups(process_group: Any) -> tuple[Any, ...]:
     else:
         groups = (process_group,)
     if groups and not torch.distributed.is_available():
-        raise RuntimeError("`process_group` was given but torch.distributed is not available.")
+        raise RuntimeError(f"`{name}` was given but torch.distributed is not available.")
     for g in groups:
         if not isinstance(g, torch.distributed.ProcessGroup):
             raise TypeError(
-                "`process_group` must be a torch.distributed.ProcessGroup or a sequence of "
+                f"`{name}` must be a torch.distributed.ProcessGroup or a sequence of "
                 f"them, got {type(g).__name__}: {g!r}."
             )
     if groups and not torch.distributed.is_initialized():
         raise RuntimeError(
-            "`process_group` was given but torch.distributed is not initialized; call "
+            f"`{name}` was given but torch.distributed is not initialized; call "
             "torch.distributed.init_process_group first."
         )
     return groups

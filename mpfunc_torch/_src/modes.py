@@ -108,6 +108,24 @@ def _check_fsdp_units(model: nn.Module, target: torch.dtype, keep_norm_fp32: boo
                      not p.is_floating_point() else target)
 
 
+def _amax_groups(plan, groups: tuple, fp8_amax_group: Any) -> tuple:
+    """The groups the fp8 amaxes are reduced over: ``process_group``'s and
+    ``fp8_amax_group``'s, for per-tensor recipes (a blockwise/rowwise scale is local)."""
+    extra = normalize_groups(fp8_amax_group, name="fp8_amax_group")
+    fp8 = plan.enabled and plan.fp8_recipe is not None
+    if extra and not fp8:
+        raise ValueError("`fp8_amax_group` applies to mode='fp8' only (the amax reduction "
+                         f"of fp8 scales); this is {plan.describe()}. Remove it.")
+    if not fp8 or plan.fp8_recipe.block("input") is not None:
+        if extra:
+            raise ValueError("`fp8_amax_group` applies to per-tensor fp8 recipes "
+                             "(tensorwise, delayed); the recipe "
+                             f"{plan.fp8_recipe.describe()!r} scales blocks or rows "
+                             "locally. Remove it.")
+        return ()
+    return groups + tuple(g for g in extra if all(g is not h for h in groups))
+
+
 def convert_to_amp(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -116,6 +134,7 @@ def convert_to_amp(
     *,
     mixed_precision: str | MixedPrecisionConfig | None = None,
     process_group: Any = None,
+    fp8_amax_group: Any = None,
     device: str | torch.device | None = None,
     is_norm: Callable[[str, nn.Module], bool] | None = None,
     **config: Any,
@@ -178,8 +197,11 @@ def convert_to_amp(
         optimizer over the sharded params, then convert, before the first forward
         (the other order is refused at the first forward). In the fp8 mode with
         per-tensor recipes (tensorwise, delayed) the amaxes are MAX-reduced over these
-        groups too: pass the data-parallel group so every rank has the same scales and
-        histories (and then do not use ``clip_grad_norm`` with it, see above).
+        groups too (a tensor split by hand gets one scale).
+      fp8_amax_group: the fp8 mode only, per-tensor recipes: more groups (typically the
+        data-parallel group) over which the amaxes are MAX-reduced, so every rank has
+        the same scales and delayed histories, without counting that group's averaged
+        gradients in ``clip_grad_norm`` (as naming it in ``process_group`` would).
       device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``, to assert where
         the model runs; None = its params'.
       is_norm: ``(qualified_name, module) -> bool`` choosing the normalisation layers
@@ -236,6 +258,7 @@ def convert_to_amp(
     dev = _device_of(model, device)
     _check_optimizer_params(model, optimizers)
     groups = normalize_groups(process_group)
+    amax_groups = _amax_groups(plan, groups, fp8_amax_group)
     half = [n for n, p in model.named_parameters() if p.dtype in HALF]
     if half and plan.enabled and plan.cast_model_type in (None, "float32"):
         raise ValueError(
@@ -265,8 +288,7 @@ def convert_to_amp(
         if masters is not None:
             masters = keep_half_masters(masters, optimizers)
     if plan.enabled and plan.fp8_recipe is not None:
-        per_tensor = plan.fp8_recipe.block("input") is None
-        convert_to_fp8(model, plan.fp8_recipe, process_group=process_group if per_tensor else None)
+        convert_to_fp8(model, plan.fp8_recipe, process_group=amax_groups or None)
     _refuse_broken_fused_sgd(optimizers, masters)
     if plan.verbose:
         print(f"mpfunc_torch.convert_to_amp: {plan.describe()}")
