@@ -180,6 +180,13 @@ def test_bad_arguments():
             mpfunc.clip_by_global_norm(bad)
     with pytest.raises(ValueError, match="`axis_name` too"):
         mpfunc.global_norm({"w": jnp.ones(2)}, specs={"w": P()})
+    # A bad axis name is refused where it is passed, naming the argument (before: a
+    # jax error from inside psum at the first traced update, or none at all).
+    for bad in ((), 1.5, ("data", 2.0), {"data"}):
+        with pytest.raises(TypeError, match="`axis_name`"):
+            mpfunc.clip_by_global_norm(1.0, axis_name=bad)
+        with pytest.raises(TypeError, match="`axis_name`"):
+            mpfunc.global_norm({"w": jnp.ones(2)}, bad)
     mesh = mesh_2d()
     placed = place(random_grads(), mesh)
 

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from mpfunc._src.distributed import _varying_axes
+from mpfunc._src.distributed import _varying_axes, check_axis_name
 
 __all__ = ["clip_by_global_norm", "global_norm"]
 
@@ -109,6 +109,7 @@ def global_norm(tree: Any, axis_name: AxisName = None, *, specs: Any = None) -> 
       A float32 scalar, the same on every device of ``axis_name``.
 
     Raises:
+      TypeError: ``axis_name`` is not None, a name or a non-empty tuple of names.
       ValueError: ``specs`` does not match ``tree``; or ``axis_name`` is given under
         ``check_vma=False`` without ``specs``; or ``specs`` without ``axis_name``.
 
@@ -117,6 +118,7 @@ def global_norm(tree: Any, axis_name: AxisName = None, *, specs: Any = None) -> 
       >>> float(mpfunc.global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])}))
       5.0
     """
+    axis_name = check_axis_name(axis_name)
     leaves = jax.tree.leaves(tree)
     if specs is not None and axis_name is None:
         raise ValueError("`specs` says how leaves are sharded over mesh axes; pass the "
@@ -179,7 +181,7 @@ def clip_by_global_norm(
       An ``optax.GradientTransformation`` with an empty state.
 
     Raises:
-      TypeError: ``max_norm`` is not a real number.
+      TypeError: ``max_norm`` is not a real number, or ``axis_name`` not a name or names.
       ValueError: ``max_norm`` is not finite and > 0.
 
     Examples:
@@ -196,6 +198,7 @@ def clip_by_global_norm(
         raise ValueError(f"`max_norm` must be finite and > 0, got {max_norm!r}; to disable "
                          "clipping, leave this transformation out.")
     max_norm = float(max_norm)
+    axis_name = check_axis_name(axis_name)  # at construction, not at the first update
 
     def update_fn(updates, state, params=None):
         del params
