@@ -37,8 +37,6 @@ from mpfunc._src.fp8 import (
 )
 from mpfunc._src.fp8_convert import Fp8Function, convert_to_fp8
 from mpfunc._src.loss_scale import (
-    LossScaleState,
-    ScaledValueAndGrad,
     chain,
     dynamic_scale,
     no_scale,
@@ -54,7 +52,14 @@ from mpfunc._src.policy import (
     get_policy,
     half_dtype,
 )
-from mpfunc._src.scale_state import loss_scale, scale_loss, scale_metrics, value_and_grad
+from mpfunc._src.scale_state import (
+    LossScaleState,
+    ScaledValueAndGrad,
+    loss_scale,
+    scale_loss,
+    scale_metrics,
+    value_and_grad,
+)
 from mpfunc._src.sharding import state_sharding
 
 __version__ = "0.1.0"

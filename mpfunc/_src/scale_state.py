@@ -4,15 +4,78 @@ flax-style ``value_and_grad``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mpfunc._src.distributed import AxisName, all_finite, check_axis_name
-from mpfunc._src.loss_scale import LossScaleState, ScaledValueAndGrad, _unscale
 
-__all__ = ["loss_scale", "scale_loss", "scale_metrics", "value_and_grad"]
+__all__ = [
+    "LossScaleState",
+    "ScaledValueAndGrad",
+    "loss_scale",
+    "scale_loss",
+    "scale_metrics",
+    "value_and_grad",
+]
+
+
+class LossScaleState(NamedTuple):
+    """State of `dynamic_scale`, `static_scale` and `no_scale`.
+
+    Hyperparameters are not stored here: they live in the transformation, so they survive
+    any ``jit``, ``tree_map`` or checkpoint round trip of this state untouched.
+
+    Attributes:
+      loss_scale: float32 scalar, the current scale.
+      growth_tracker: int32, clean steps since the scale last changed.
+      hysteresis_left: int32, overflows still absorbed before the scale backs off.
+      skipped_steps: int32, total number of skipped (non-finite) steps (saturating).
+      consecutive_skips: int32, skipped steps in a row, 0 after a finite step
+        (saturating); optax's ``notfinite_count``.
+      last_finite: bool, whether the most recent step's gradients were all finite.
+      inner_state: the wrapped transformation's state (``optax.EmptyState()`` if none).
+    """
+
+    loss_scale: jax.Array
+    growth_tracker: jax.Array
+    hysteresis_left: jax.Array
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    last_finite: jax.Array
+    inner_state: Any
+
+
+class ScaledValueAndGrad(NamedTuple):
+    """What `mpfunc.value_and_grad` returns; pass it whole to a loss-scale ``update``.
+
+    Attributes:
+      value: ``fun``'s output, unscaled: the loss, or ``(loss, aux)`` with ``has_aux``.
+      grads: the gradients, unscaled, float32.
+      finite: bool scalar, the decision the loss-scale ``update`` takes for them.
+    """
+
+    value: Any
+    grads: Any
+    finite: jax.Array
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _unscale(tree: Any, inv_scale: jax.Array | None) -> Any:
+    """Float32 copies of the floating leaves, multiplied by ``inv_scale`` (if given)."""
+
+    def f(x):
+        if not _is_float(x):
+            return x
+        x = x.astype(jnp.float32)
+        return x if inv_scale is None else x * inv_scale
+
+    return jax.tree_util.tree_map(f, tree)
 
 
 def _find_states(opt_state: Any) -> list[LossScaleState]:

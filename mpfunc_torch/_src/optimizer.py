@@ -3,7 +3,6 @@ around a torch optimizer."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from mpfunc_torch._src.master_weights import (
     swap_in_masters_,
 )
 from mpfunc_torch._src.sharding import mesh_groups
+from mpfunc_torch._src.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["AmpOptimizer"]
 
@@ -47,7 +47,7 @@ def _mark_step_called(optimizer: torch.optim.Optimizer) -> None:
         optimizer._opt_called = True
 
 
-class AmpOptimizer(torch.optim.Optimizer):
+class AmpOptimizer(WrappedOptimizer):
     """The wrapped optimizer: loss scaling, exact skips, master weights, inf-check reduction.
 
     It keeps the torch optimizer interface (``param_groups``, ``state``, ``zero_grad``,
@@ -95,17 +95,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         process_groups: tuple = (),
         shared: SharedScale | None = None,
     ):
-        # Deliberately not calling Optimizer.__init__: param_groups/state/defaults are
-        # the inner optimizer's own (see the properties below). The hook registries are
-        # this wrapper's own (OrderedDicts, as torch's handles need).
-        self.optimizer = optimizer
+        super().__init__(optimizer)  # the inner optimizer's groups and state, own hooks
         self.plan = plan
         self._enabled = plan.enabled
         self._groups = process_groups
         self._device = device
-        for kind in ("step", "state_dict", "load_state_dict"):
-            for when in ("pre", "post"):
-                setattr(self, f"_optimizer_{kind}_{when}_hooks", OrderedDict())
         n = plan.num_losses if plan.enabled else 1
         kinds = [plan.scale_kind] * n if plan.enabled else ["none"]
         if shared is None:
@@ -152,23 +146,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         self._sources = [source_of.get(id(q), q) for q in self._owned]
         self._sgd_first = fused.is_fused_sgd_with_momentum(self.optimizer)
 
-    # -- the torch optimizer interface ---------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
+    # -- the torch optimizer interface (the rest is WrappedOptimizer's) --------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._pairs:
             raise RuntimeError("add_param_group is not supported with master weights; "
@@ -178,9 +156,6 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"AmpOptimizer({self.plan.describe()}, optimizer={self.optimizer!r})"
-
-    def __getstate__(self):
-        raise TypeError("AmpOptimizer is not picklable; save its state_dict() instead.")
 
     # -- scaling -----------------------------------------------------------------------
     def _scaler(self, loss_id: int) -> LossScaler:
@@ -448,15 +423,11 @@ class AmpOptimizer(torch.optim.Optimizer):
         ``growth_interval``, as with GradScaler) and restores the state. The
         ``register_state_dict_pre_hook``/``post_hook`` hooks run around it.
         """
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        follow_model_writes_(self._pairs, self._versions)
-        out = checkpoint.save(self)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, out)
-            if result is not None:
-                out = result
-        return out
+        def save():
+            follow_model_writes_(self._pairs, self._versions)
+            return checkpoint.save(self)
+
+        return self._state_dict_with_hooks(save)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores `state_dict`, all or nothing; also writes the masters into the model.
@@ -467,16 +438,13 @@ class AmpOptimizer(torch.optim.Optimizer):
         raises ``ValueError`` naming the key and leaves this optimizer as it was. The
         loss-scale hyperparameters stay this optimizer's own (see `state_dict`).
         """
-        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        checkpoint.load(self, state_dict)
-        self._versions.update(model_versions(self._pairs))  # in place: the load hooks hold it
-        self._pending = None
-        self._stage, self._last = _READY, "load_state_dict"
-        self._grads_unscaled = False
-        self._index_params()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        def load(state_dict):
+            checkpoint.load(self, state_dict)
+            # in place: the model's load hooks hold this dict
+            self._versions.update(model_versions(self._pairs))
+            self._pending = None
+            self._stage, self._last = _READY, "load_state_dict"
+            self._grads_unscaled = False
+            self._index_params()
+
+        self._load_state_dict_with_hooks(state_dict, load)
