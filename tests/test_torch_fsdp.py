@@ -117,9 +117,10 @@ def test_o2_norms_inside_a_half_unit_are_refused(fsdp2):
     assert msg is not None and "fully_shard(norm)" in msg and "float16" in msg
 
 
-def test_checkpoint_continues_exactly(fsdp2):
+@pytest.mark.parametrize("label", ["naive", "torch", "O2", "bf16"])
+def test_checkpoint_continues_exactly(fsdp2, label):
     for r in fsdp2:
-        d = r["dcp"]
+        d = r["dcp" if label == "naive" else f"dcp-{label}"]
         assert d["untouched_equal_fresh"]  # dcp.load wrote into a snapshot only
         assert d["loaded_scale"] == d["saved_scale"]
         assert d["loaded_scale"]["skipped_steps"] == 1  # the trackers came back too

@@ -188,17 +188,22 @@ def fsdp_orders():
     results["orders"] = out
 
 
-def dcp_run(ckpt):
-    """naive under FSDP2: train, save with DCP, train on; then fresh objects load the
-    checkpoint and must train on identically."""
+DCP_MODES = ("naive", "torch", "O2", "bf16")  # masters or not, scaled or not
+
+
+def dcp_run(ckpt, label="naive"):
+    """``label`` under FSDP2: train, save with DCP, train on; then fresh objects load the
+    checkpoint and must train on identically. naive's result is also the checkpoint the
+    4-rank run reshards."""
     import torch.distributed.checkpoint as dcp
 
     mesh = mesh_1d()
     rows = slice(rank * tm.BATCH // world, (rank + 1) * tm.BATCH // world)
+    kw = {"growth_interval": 2} if label in ("naive", "torch") else {}
 
     def build():
-        net = shard(tm.make_model(), mesh, "naive")
-        model, opt, crit = convert(net, "naive", growth_interval=2)
+        net = shard(tm.make_model(), mesh, label)
+        model, opt, crit = convert(net, label, **kw)
         return net, model, opt, crit
 
     net, model, opt, crit = build()
@@ -220,7 +225,7 @@ def dcp_run(ckpt):
     loaded = full_state(net2, opt2)
     loaded_scale = opt2.scale_metrics(as_python=True)
     again = train(model2, opt2, crit2, rows, steps=range(STEPS, STEPS + 2))
-    results["dcp"] = {
+    results["dcp" if label == "naive" else f"dcp-{label}"] = {
         "saved": saved, "saved_scale": saved_scale, "after": after, "after_params": after_params,
         "loaded": loaded, "loaded_scale": loaded_scale, "again": again,
         "again_params": full_state(net2, opt2),
@@ -426,7 +431,8 @@ SECTIONS = {
     # 2 ranks: every mode under FSDP2, DCP save / reload and the N = 1 bytes; DTensor TP;
     # the Megatron split; 2 pipeline stages.
     "two": [("fsdp", lambda: (fsdp_runs(ALL), o2_unit_error(), fsdp_orders(),
-                              dcp_run(outdir / "ckpt"), single_rank_bytes())),
+                              [dcp_run(outdir / ("ckpt" if m == "naive" else f"ckpt-{m}"), m)
+                               for m in DCP_MODES], single_rank_bytes())),
             ("tp", lambda: tp_runs(two_d=False)),
             ("megatron", lambda: megatron_runs(
                 lambda: (dist.group.WORLD, rank, world, dist.group.WORLD))),

@@ -152,8 +152,11 @@ def get_state_dict(model: nn.Module, optimizers: Any, *,
     Returns ``(model_state_dict, optim_state_dict)`` for ``torch.distributed.checkpoint``
     ``save`` / ``load``. The optimizer part is torch's layout, keyed by parameter name,
     with a ``"master_weight"`` entry in each param's state (mode naive, apex O2) and the
-    loss-scale state under ``"mpfunc"``; it is a snapshot (copies), so ``dcp.load`` into it
-    changes nothing until `set_state_dict` has checked it all. Call it on every rank.
+    loss-scale state under ``"mpfunc"``. Both parts are snapshots (copies, one more copy
+    of this rank's shards while they live): ``dcp.load`` into them changes nothing in
+    the model or the optimizers until `set_state_dict` has checked it all (torch's own
+    ``get_model_state_dict`` hands out the live params, so ``dcp.load`` would write the
+    model before any check). Call it on every rank.
 
     Args:
       model: the model (the module given to `convert_to_amp`, or the `AmpModel`).
@@ -175,7 +178,7 @@ def get_state_dict(model: nn.Module, optimizers: Any, *,
     for o in opts:
         _init_inner_state(o.optimizer)
     views = [_View(o) for o in opts]
-    model_sd = api.get_model_state_dict(module, options=options)
+    model_sd = _snapshot(api.get_model_state_dict(module, options=options))
     optim_sd = _snapshot(api.get_optimizer_state_dict(module, views, options=options))
     own = opts[0].state_dict()
     optim_sd[MPFUNC_KEY] = {"format": own["format"], "mode": own["mode"],
