@@ -122,6 +122,7 @@ def test_checkpoint_continues_exactly(fsdp2, label):
     for r in fsdp2:
         d = r["dcp" if label == "naive" else f"dcp-{label}"]
         assert d["untouched_equal_fresh"]  # dcp.load wrote into a snapshot only
+        assert d["untouched_model_equal_fresh"]  # the model's own params too
         assert d["loaded_scale"] == d["saved_scale"]
         assert d["loaded_scale"]["skipped_steps"] == 1  # the trackers came back too
         assert all(torch.equal(d["loaded"][k], d["saved"][k]) for k in d["saved"])

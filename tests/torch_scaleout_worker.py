@@ -218,9 +218,13 @@ def dcp_run(ckpt, label="naive"):
 
     net2, model2, opt2, crit2 = build()
     fresh = full_state(net2, opt2)
+    model_params = lambda: {n: (p.full_tensor() if hasattr(p, "full_tensor") else p)  # noqa: E731
+                            .detach().clone() for n, p in net2.named_parameters()}
+    fresh_model = model_params()  # the model's own (half) params, not the masters
     msd2, osd2 = mpfunc_torch.get_state_dict(net2, opt2)
     dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=str(ckpt))
     untouched = full_state(net2, opt2)  # dcp.load filled a snapshot, nothing else
+    untouched_model = model_params()
     mpfunc_torch.set_state_dict(net2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
     loaded = full_state(net2, opt2)
     loaded_scale = opt2.scale_metrics(as_python=True)
@@ -229,7 +233,9 @@ def dcp_run(ckpt, label="naive"):
         "saved": saved, "saved_scale": saved_scale, "after": after, "after_params": after_params,
         "loaded": loaded, "loaded_scale": loaded_scale, "again": again,
         "again_params": full_state(net2, opt2),
-        "untouched_equal_fresh": all(torch.equal(fresh[k], untouched[k]) for k in fresh)}
+        "untouched_equal_fresh": all(torch.equal(fresh[k], untouched[k]) for k in fresh),
+        "untouched_model_equal_fresh": all(torch.equal(fresh_model[k], untouched_model[k])
+                                           for k in fresh_model)}
 
 
 def reshard_run(ckpt):
