@@ -132,3 +132,35 @@ def test_fp8_amax_group_is_checked(world):
     model, _, _ = mpfunc_torch.convert_to_amp(net, sgd(net), mode="fp8", fp8_amax_group=group)
     fp8 = [m for m in net.modules() if isinstance(m, mpfunc_torch.Fp8Linear)]
     assert fp8 and all(m._groups == (group,) for m in fp8)
+
+
+@pytest.mark.parametrize("order", ["shard-then-convert", "fp8-then-shard"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_fp8_mode_under_fully_shard_trains_like_the_unsharded_model(world, recipe, order):
+    # Before: convert_to_amp(mode="fp8") replaced FSDP2's FSDPLinear by a new module,
+    # whose weight stayed the sharded DTensor (FSDP unshards into the old object): the
+    # first forward failed ("got mixed torch.Tensor and DTensor").
+    def build(sharded):
+        net = mlp()
+        if sharded and order == "fp8-then-shard":
+            mpfunc_torch.convert_to_fp8(net, recipe)
+        if sharded:
+            for m in net:
+                fully_shard(m)
+            fully_shard(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        model, opt, _ = mpfunc_torch.convert_to_amp(net, opt, mode="fp8", recipe=recipe)
+        return net, model, opt
+
+    (net, model, opt), (ref, ref_model, ref_opt) = build(True), build(False)
+    assert [type(m).__name__ for m in net] == ["FSDPFp8Linear", "FSDPLayerNorm",
+                                              "FSDPFp8Linear"]
+    assert all(isinstance(m, mpfunc_torch.Fp8Linear) for m in (net[0], net[2]))
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        assert bool(step(model, opt, x)) and bool(step(ref_model, ref_opt, x))
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert is_dtensor(p) and torch.equal(p.full_tensor(), q)
+    for (k, a), b in zip(net.state_dict().items(), ref.state_dict().values()):
+        if "fp8_" in k:  # delayed histories and scales: the same, bit for bit
+            assert torch.equal(a, b), k

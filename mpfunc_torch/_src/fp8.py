@@ -262,7 +262,12 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight, qx.scale if per_tensor else None,
                               qw.scale if per_tensor else None)
         ctx.layer, ctx.use_scaled_mm, ctx.has_bias = layer, use_scaled_mm, bias is not None
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        if x.dim() == 2:
+            return y
+        # As F.linear's matmul folding does: an output autograd does not track as a view
+        # (FSDP2 warns about module outputs that are views: an in-place op on one would
+        # skip its pre-backward hook).
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, g):

@@ -95,14 +95,19 @@ class Fp8Linear(nn.Linear):
     @classmethod
     def _convert(cls, linear: nn.Linear, recipe: Fp8Recipe, process_group, gemm) -> Fp8Linear:
         """``linear`` as an `Fp8Linear`: a plain ``nn.Linear`` changes class in place (its
-        identity, hooks and attributes stay: HuggingFace's, a user's forward hooks);
-        a subclass is replaced by `from_linear`, which takes its hooks along."""
-        if type(linear) is nn.Linear:
-            linear.__class__ = cls
+        identity, hooks and attributes stay: HuggingFace's, a user's forward hooks), and
+        so does one FSDP2's ``fully_shard`` made an ``FSDPLinear`` (it becomes an
+        ``FSDPFp8Linear``: FSDP's state is keyed by the module object and unshards into
+        its attributes, so a new object would compute on the sharded DTensors); any
+        other subclass is replaced by `from_linear`, which takes its hooks along."""
+        old = type(linear)
+        new_cls = cls if old is nn.Linear else _fsdp_twin(old, cls)
+        if new_cls is not None:
+            linear.__class__ = new_cls
             try:
                 linear._setup(recipe, process_group, gemm)
             except BaseException:
-                linear.__class__ = nn.Linear
+                linear.__class__ = old
                 raise
             return linear
         new = cls.from_linear(linear, recipe, process_group=process_group, gemm=gemm)
@@ -117,6 +122,26 @@ class Fp8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe=({self.recipe.describe()})"
+
+
+_FSDP_TWINS: dict[type, type] = {}
+
+
+def _fsdp_twin(wrapped: type, cls: type) -> type | None:
+    """For ``FSDPLinear`` (FSDP2's ``type("FSDPLinear", (FSDPModule, nn.Linear), ...)``),
+    the same wrapper around ``cls``; None for any other class."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    bases = wrapped.__bases__
+    if len(bases) != 2 or bases[1] is not nn.Linear or not issubclass(bases[0], FSDPModule):
+        return None
+    if wrapped not in _FSDP_TWINS:
+        extra = {k: v for k, v in vars(wrapped).items() if k == "__deepcopy__"}
+        _FSDP_TWINS[wrapped] = type(f"{wrapped.__name__[:-len('Linear')]}{cls.__name__}",
+                                    (bases[0], cls), extra)
+    return _FSDP_TWINS[wrapped]
 
 
 def convert_to_fp8(
