@@ -86,7 +86,21 @@ def test_fsdp2_over_two_ranks_trains_like_one_process(recipe):
     assert r0["params"] != r0["initial"]  # it trained
 
 
-def _fsdp_worker(rank: int, recipe: str) -> dict:  # pragma: no cover - subprocess
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_tensor_parallel_over_two_ranks_trains_like_one_process(recipe):
+    # parallelize_module (Colwise then Rowwise) over 2 gloo ranks, then the fp8 mode:
+    # the amaxes of the DTensor weights are global (DTensor reduces them), so the ranks
+    # agree and follow a one-process run.
+    r0, r1 = launch(f"tp-{recipe}")
+    assert r0["params"] == r1["params"] and r0["histories"] == r1["histories"]
+    for name, got in r0["params"].items():
+        ref = r0["reference"][name]
+        err = max(abs(a - b) for a, b in zip(got, ref))
+        assert err <= 1e-2 * max(1.0, max(abs(b) for b in ref)), (name, err)
+    assert r0["params"] != r0["initial"]
+
+
+def _fsdp_worker(rank: int, recipe: str, tp: bool = False) -> dict:  # pragma: no cover
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -101,19 +115,34 @@ def _fsdp_worker(rank: int, recipe: str) -> dict:  # pragma: no cover - subproce
     net, ref = build(), build()
     initial = {k: v.flatten().tolist() for k, v in ref.state_dict().items()
                if not k.endswith("bias")}
-    for m in net:
-        fully_shard(m)
-    fully_shard(net)
+    if tp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        net = torch.nn.Sequential(net[0], torch.nn.ReLU(), net[2])  # no norm between
+        ref = torch.nn.Sequential(ref[0], torch.nn.ReLU(), ref[2])
+        parallelize_module(net, init_device_mesh("cpu", (2,)),
+                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        group = {}  # both ranks see the whole batch; DTensor makes the amaxes global
+    else:
+        for m in net:
+            fully_shard(m)
+        fully_shard(net)
+        group = {"fp8_amax_group": dist.group.WORLD}
     model, opt, crit = mpfunc_torch.convert_to_amp(
         net, torch.optim.SGD(net.parameters(), lr=0.5), torch.nn.MSELoss(), mode="fp8",
-        recipe=recipe, fp8_amax_group=dist.group.WORLD)
+        recipe=recipe, **group)
     rmodel, ropt, rcrit = mpfunc_torch.convert_to_amp(
         ref, torch.optim.SGD(ref.parameters(), lr=0.5), torch.nn.MSELoss(), mode="fp8",
         recipe=recipe)
     for i in range(3):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
-        mine = slice(4 * rank, 4 * rank + 4)
+        mine = slice(None) if tp else slice(4 * rank, 4 * rank + 4)
         for mo, op, cr, xs, ys in ((model, opt, crit, x[mine], y[mine]),
                                    (rmodel, ropt, rcrit, x, y)):
             op.zero_grad()
@@ -166,8 +195,9 @@ def _worker(rank: int, port: str, grouped: str) -> None:  # pragma: no cover - s
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
-    if grouped.startswith("fsdp-"):
-        print("RESULT " + json.dumps(_fsdp_worker(rank, grouped[len("fsdp-"):])), flush=True)
+    if grouped.startswith(("fsdp-", "tp-")):
+        kind, recipe = grouped.split("-", 1)
+        print("RESULT " + json.dumps(_fsdp_worker(rank, recipe, tp=kind == "tp")), flush=True)
         dist.destroy_process_group()
         return
     if grouped == "ddp":

@@ -234,7 +234,10 @@ def _delayed_scale(x: torch.Tensor, layer, role: str, recipe: Fp8Recipe, groups)
     """This step's scale from ``layer``'s history; updates the buffers in place."""
     hist = getattr(layer, f"fp8_amax_history_{role}")
     prev = getattr(layer, f"fp8_scale_{role}")
-    amax = _all_reduce_max(_amax(x, None), groups)
+    amax = _amax(x, None)
+    if hasattr(amax, "full_tensor"):  # a DTensor operand (tensor parallelism): its amax
+        amax = amax.full_tensor()     # over the whole tensor, as the history records it
+    amax = _all_reduce_max(amax, groups)
     used = hist.max() if recipe.amax_reduction == "max" else hist[0]
     used = torch.where(torch.isfinite(used) & (used > 0), used, amax)  # no history yet
     scale = _scale(used, FP8_MAX[recipe.dtype(role)], recipe.margin,
