@@ -131,6 +131,14 @@ def test_checkpoint_continues_exactly(fsdp2, label):
                    for k in d["after_params"])
 
 
+def test_num_zeros_in_grad_counts_every_shard_once(fsdp2):
+    # Before: each rank reported the zeros of its own shards only.
+    reported = [r["zeros"]["reported"] for r in fsdp2]
+    assert reported == [fsdp2[0]["zeros"]["expected"]] * len(fsdp2)
+    assert sum(r["zeros"]["local"] for r in fsdp2) == reported[0]
+    assert all(r["zeros"]["local"] < reported[0] for r in fsdp2)
+
+
 def test_checkpoint_reshards_from_two_ranks_to_four(fsdp2, fsdp4):
     saved = fsdp2[0]["dcp"]
     for r in fsdp4:

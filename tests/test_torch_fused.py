@@ -33,11 +33,18 @@ def test_none_grads_are_ignored_and_bad_found_inf_rejected():
         fused.unscale_and_check_([torch.ones(1)], torch.zeros(1), torch.ones(()))
 
 
-def test_count_zeros_is_exact_beyond_float16_range():
-    grads = [torch.zeros(70_000, dtype=torch.float16),  # more zeros than float16 can count
-             torch.tensor([0.0, 1.0, -0.0, 2.0]), None]
-    assert fused.count_zeros(grads).item() == 70_002
-    assert fused.count_zeros([]).item() == 0
+def test_zero_count_is_exact_beyond_float16_range():
+    from mpfunc_torch._src.clipping import global_zero_count
+
+    params = [torch.zeros(70_000, dtype=torch.float16), torch.ones(4), torch.ones(3),
+              torch.ones(5)]
+    params[0].grad = torch.zeros(70_000, dtype=torch.float16)  # beyond float16's count
+    params[1].grad = torch.tensor([0.0, 1.0, -0.0, 2.0])
+    params[3].grad = torch.sparse_coo_tensor([[0, 3]], [0.0, 1.0], (5,),
+                                             check_invariants=True).coalesce()
+    # 70,000 + 2 + (params[2] has no grad) + the sparse one's 5 - 1 non-zero value
+    assert global_zero_count(params).item() == 70_006
+    assert global_zero_count([]).item() == 0
 
 
 def test_update_scale_is_torchs_rule():

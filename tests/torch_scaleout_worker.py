@@ -238,6 +238,27 @@ def dcp_run(ckpt, label="naive"):
                                            for k in fresh_model)}
 
 
+def zeros_run():
+    """naive's num_zeros_in_grad under FSDP2: every rank's shard counted once, the same
+    total on every rank (Megatron reduces it over the model-parallel group)."""
+    mesh = mesh_1d()
+    rows = slice(rank * tm.BATCH // world, (rank + 1) * tm.BATCH // world)
+    net = shard(tm.make_model(), mesh, "naive")
+    model, opt, crit = convert(net, "naive", log_num_zeros_in_grad=True)
+    x, y = tm.batch(0)
+    opt.zero_grad()
+    opt.backward(crit(model(x[rows]), y[rows]))
+    opt.unscale_()
+    for i, q in enumerate(opt._owned[:3]):  # known zeros, a different number per rank
+        local(q.grad).view(-1)[: 5 * (rank + 1) + i] = 0
+    grads = [q.grad for q in opt._owned if q.grad is not None]
+    mine = sum(int((local(g) == 0).sum()) for g in grads)
+    expected = sum(int((g.full_tensor() == 0).sum()) for g in grads)  # collectives
+    opt.step()
+    results["zeros"] = {"reported": int(opt.num_zeros_in_grad), "expected": expected,
+                        "local": mine}
+
+
 def reshard_run(ckpt):
     """Load the 2-rank checkpoint on this world (4 ranks) and train on."""
     import torch.distributed.checkpoint as dcp
@@ -438,7 +459,7 @@ SECTIONS = {
     # the Megatron split; 2 pipeline stages.
     "two": [("fsdp", lambda: (fsdp_runs(ALL), o2_unit_error(), fsdp_orders(),
                               [dcp_run(outdir / ("ckpt" if m == "naive" else f"ckpt-{m}"), m)
-                               for m in DCP_MODES], single_rank_bytes())),
+                               for m in DCP_MODES], single_rank_bytes(), zeros_run())),
             ("tp", lambda: tp_runs(two_d=False)),
             ("megatron", lambda: megatron_runs(
                 lambda: (dist.group.WORLD, rank, world, dist.group.WORLD))),

@@ -143,6 +143,43 @@ def _all_reduce(t: torch.Tensor, groups: Sequence[Any], norm_type: float) -> Non
         torch.distributed.all_reduce(t, op=op, group=g)
 
 
+def _distributed_parts(params: list[torch.Tensor], sources: list[torch.Tensor]
+                       ) -> tuple[list[torch.Tensor], list[tuple[Any, list[torch.Tensor]]]]:
+    """This rank's gradient values that count, split into plain ones and one list per
+    DTensor mesh; a gradient replicated over a mesh dimension or a marked group counts
+    on the first rank of it only (see the module docstring)."""
+    plain: list[torch.Tensor] = []
+    meshes: list[tuple[Any, list[torch.Tensor]]] = []
+    for p, src in zip(params, sources):
+        g = p.grad
+        bucket = plain
+        if is_dtensor(p):
+            for mesh, items in meshes:
+                if mesh is p.device_mesh or mesh == p.device_mesh:
+                    bucket = items
+                    break
+            else:
+                bucket = []
+                meshes.append((p.device_mesh, bucket))
+        if g is None:
+            continue
+        if is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
+            raise ValueError(
+                "a gradient is a DTensor with a Partial placement (not yet reduced over its "
+                f"mesh: {g.placements}); clip after the backward's reductions have run.")
+        if _first_on_replicas(g, replicated_over(p, src)):
+            bucket.append(g)
+    return plain, meshes
+
+
+def _sources_of(params: list[torch.Tensor], mark_sources: Any) -> list[torch.Tensor]:
+    sources = list(mark_sources) if mark_sources is not None else params
+    if len(sources) != len(params):
+        raise ValueError(f"`mark_sources` must have one tensor per param ({len(params)}), "
+                         f"got {len(sources)}.")
+    return sources
+
+
 def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
                      process_group: Any = None,
                      mark_sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
@@ -166,10 +203,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
     norm_type = _check_norm_type(norm_type)
     groups = normalize_groups(process_group)
     params = list(params)
-    sources = list(mark_sources) if mark_sources is not None else params
-    if len(sources) != len(params):
-        raise ValueError(f"`mark_sources` must have one tensor per param ({len(params)}), "
-                         f"got {len(sources)}.")
+    sources = _sources_of(params, mark_sources)
     if not params:
         return torch.zeros((), dtype=torch.float32)
     device = local(params[0]).device
@@ -183,34 +217,54 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
         if not norms:
             return torch.zeros((), dtype=torch.float32, device=device)
         return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    plain: list[torch.Tensor] = []
-    meshes: list[tuple[Any, list[torch.Tensor]]] = []
-    for p, src in zip(params, sources):
-        g = p.grad
-        bucket = plain
-        if is_dtensor(p):
-            for mesh, items in meshes:
-                if mesh is p.device_mesh or mesh == p.device_mesh:
-                    bucket = items
-                    break
-            else:
-                bucket = []
-                meshes.append((p.device_mesh, bucket))
-        if g is None:
-            continue
-        if is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
-            raise ValueError(
-                "a gradient is a DTensor with a Partial placement (not yet reduced over its "
-                f"mesh: {g.placements}); clip after the backward's reductions have run.")
-        if _first_on_replicas(g, replicated_over(p, src)):
-            bucket.append(_values(g))
-    total = _power_sum(plain, norm_type, device)
+    plain, meshes = _distributed_parts(params, sources)
+    total = _power_sum([_values(g) for g in plain], norm_type, device)
     for mesh, items in meshes:
-        part = _power_sum(items, norm_type, device)
+        part = _power_sum([_values(g) for g in items], norm_type, device)
         _all_reduce(part, [mesh.get_group(d) for d in range(mesh.ndim)], norm_type)
         total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
     _all_reduce(total, groups, norm_type)
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def _zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Exactly-zero elements of ``grads`` (this rank's parts; a sparse gradient counts
+    its dense size less its non-zero values), float64 so the count is exact."""
+    total = sum(local(g).numel() for g in grads)
+    values = [_values(g) for g in grads]
+    nonzero = torch.zeros((), dtype=torch.float64, device=device)
+    for group in _by_device_dtype(values).values():
+        nonzero = nonzero + torch.stack(
+            torch._foreach_norm(group, 0, dtype=torch.float64)).sum().to(device)
+    return total - nonzero
+
+
+def global_zero_count(params: Iterable[torch.Tensor], *, process_group: Any = None,
+                      mark_sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """Exactly-zero gradient elements of ``params`` over every rank that holds a part of
+    them, each element counted once: Megatron's ``num_zeros_in_grad``, reduced like
+    `global_grad_norm` (DTensor meshes, ``process_group``, `mark_replicated`).
+
+    Returns:
+      An int64 0-dim tensor on the params' device, equal on every rank (no host sync).
+    """
+    groups = normalize_groups(process_group)
+    params = list(params)
+    sources = _sources_of(params, mark_sources)
+    if not params:
+        return torch.zeros((), dtype=torch.int64)
+    device = local(params[0]).device
+    plain, meshes = _distributed_parts(params, sources)
+    total = _zeros(plain, device)
+    sum_op = torch.distributed.ReduceOp.SUM
+    for mesh, items in meshes:
+        part = _zeros(items, device)
+        for d in range(mesh.ndim):
+            torch.distributed.all_reduce(part, op=sum_op, group=mesh.get_group(d))
+        total = total + part
+    for g in groups:
+        torch.distributed.all_reduce(total, op=sum_op, group=g)
+    return total.to(torch.int64)
 
 
 def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float,

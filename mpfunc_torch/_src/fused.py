@@ -24,7 +24,6 @@ import torch
 __all__ = [
     "unscale_and_check_",
     "update_scale_",
-    "count_zeros",
     "clip_grads_",
     "step_with_found_inf_",
     "is_fused_sgd_with_momentum",
@@ -95,21 +94,6 @@ def update_scale_(
     torch._amp_update_scale_(
         scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
     )
-
-
-def count_zeros(grads: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Number of exactly-zero elements over ``grads``, as a device tensor (no host sync)."""
-    grads = [g for g in grads if g is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.int64)
-    total = sum(g.numel() for g in grads)
-    nonzero = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-    for (_device, _dtype), group in _group(grads, real=False).items():
-        # The L0 "norm" counts non-zero elements: one foreach call per group, accumulated
-        # in float64 so that counts are exact (a float16 count would overflow at 65504).
-        norms = torch._foreach_norm(group, 0, dtype=torch.float64)
-        nonzero = nonzero + torch.stack(norms).sum().to(nonzero.device)
-    return (total - nonzero).to(torch.int64)
 
 
 def clip_grads_(grads: Iterable[torch.Tensor], max_norm: float,

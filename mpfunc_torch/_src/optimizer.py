@@ -9,7 +9,11 @@ import torch
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import checkpoint, fused
-from mpfunc_torch._src.clipping import clip_grads_with_norm_, global_grad_norm
+from mpfunc_torch._src.clipping import (
+    clip_grads_with_norm_,
+    global_grad_norm,
+    global_zero_count,
+)
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.grads import (
     add_back_unscaled_,
@@ -364,7 +368,8 @@ class AmpOptimizer(WrappedOptimizer):
             if self.plan.clip_grad:
                 self.grad_norm = self.clip_grad_norm(self.plan.clip_grad)
             if self.plan.log_num_zeros_in_grad:
-                self.num_zeros_in_grad = fused.count_zeros(grads_of(self._owned))
+                self.num_zeros_in_grad = global_zero_count(
+                    self._owned, process_group=self._clip_groups, mark_sources=self._sources)
             if self._fused and not host_skip:
                 fused.step_with_found_inf_(self.optimizer, None, found)
                 copy_masters_to_model_(self._pairs)
