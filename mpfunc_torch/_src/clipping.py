@@ -172,12 +172,16 @@ def _distributed_parts(params: list[torch.Tensor], sources: list[torch.Tensor]
     return plain, meshes
 
 
-def _sources_of(params: list[torch.Tensor], mark_sources: Any) -> list[torch.Tensor]:
+def _arguments(params: Iterable[torch.Tensor], process_group: Any, mark_sources: Any
+               ) -> tuple[tuple, list[torch.Tensor], list[torch.Tensor], Any]:
+    """``(groups, params, sources, device)``, checked; ``device`` is None without params."""
+    groups = normalize_groups(process_group)
+    params = list(params)
     sources = list(mark_sources) if mark_sources is not None else params
     if len(sources) != len(params):
         raise ValueError(f"`mark_sources` must have one tensor per param ({len(params)}), "
                          f"got {len(sources)}.")
-    return sources
+    return groups, params, sources, (local(params[0]).device if params else None)
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
@@ -201,12 +205,9 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
       The total norm, a float32 0-dim tensor on the params' device, equal on every rank.
     """
     norm_type = _check_norm_type(norm_type)
-    groups = normalize_groups(process_group)
-    params = list(params)
-    sources = _sources_of(params, mark_sources)
+    groups, params, sources, device = _arguments(params, process_group, mark_sources)
     if not params:
         return torch.zeros((), dtype=torch.float32)
-    device = local(params[0]).device
     if not groups and not any(is_dtensor(p) or replicated_over(p, s)
                               for p, s in zip(params, sources)):
         # One rank holds everything: torch's get_total_norm, computed in float32 (the
@@ -248,12 +249,9 @@ def global_zero_count(params: Iterable[torch.Tensor], *, process_group: Any = No
     Returns:
       An int64 0-dim tensor on the params' device, equal on every rank (no host sync).
     """
-    groups = normalize_groups(process_group)
-    params = list(params)
-    sources = _sources_of(params, mark_sources)
+    groups, params, sources, device = _arguments(params, process_group, mark_sources)
     if not params:
         return torch.zeros((), dtype=torch.int64)
-    device = local(params[0]).device
     plain, meshes = _distributed_parts(params, sources)
     total = _zeros(plain, device)
     sum_op = torch.distributed.ReduceOp.SUM
