@@ -132,6 +132,13 @@ def test_fp8_amax_group_is_checked(world):
     model, _, _ = mpfunc_torch.convert_to_amp(net, sgd(net), mode="fp8", fp8_amax_group=group)
     fp8 = [m for m in net.modules() if isinstance(m, mpfunc_torch.Fp8Linear)]
     assert fp8 and all(m._groups == (group,) for m in fp8)
+    net = mlp()  # the Booster spelling takes it too
+    mpfunc_torch.boost(net, sgd(net), mixed_precision="fp8", fp8_amax_group=group)
+    assert all(m._groups == (group,) for m in net.modules()
+               if isinstance(m, mpfunc_torch.Fp8Linear))
+    with pytest.raises(ValueError, match="`fp8_amax_group` applies to mode='fp8' only"):
+        net = mlp()
+        mpfunc_torch.boost(net, sgd(net), mixed_precision="bf16", fp8_amax_group=group)
 
 
 @pytest.mark.parametrize("order", ["shard-then-convert", "fp8-then-shard"])

@@ -31,6 +31,7 @@ def boost(
     *,
     mixed_precision: str | MixedPrecisionConfig,
     process_group: Any = None,
+    fp8_amax_group: Any = None,
     device: str | None = None,
 ) -> tuple[AmpModel, AmpOptimizer, AmpCriterion | None, Any, Any]:
     """``Booster(mixed_precision=...).boost(...)`` as one function.
@@ -46,10 +47,12 @@ def boost(
       criterion: the loss function, or None.
       dataloader: anything; returned as is (mpfunc does not shard data).
       lr_scheduler: a scheduler on ``optimizer``, or None; returned as is.
-      mixed_precision: ``"fp16"``, ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"`` or a
-        config object (`FP16TorchMixedPrecision`, ...), as in ``Booster``.
+      mixed_precision: ``"fp16"``, ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``,
+        ``"fp8"`` or a config object (`FP16TorchMixedPrecision`, ...), as in ``Booster``.
       process_group: process group(s) the inf check is reduced over (see
         `convert_to_amp`).
+      fp8_amax_group: ``"fp8"`` only: the data-parallel group(s) the fp8 amaxes are
+        reduced over (see `convert_to_amp`).
       device: ``"cpu"``/``"cuda"`` to assert where the model runs, or None.
 
     Returns:
@@ -83,7 +86,7 @@ def boost(
             )
     model, optimizer, criterion = convert_to_amp(
         model, optimizer, criterion, mixed_precision=mixed_precision,
-        process_group=process_group, device=device,
+        process_group=process_group, fp8_amax_group=fp8_amax_group, device=device,
     )
     return model, optimizer, criterion, dataloader, lr_scheduler
 
