@@ -100,6 +100,89 @@ def test_tensor_parallel_over_two_ranks_trains_like_one_process(recipe):
     assert r0["params"] != r0["initial"]
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_hand_split_tensor_parallel_over_two_ranks_trains_like_one_process(recipe):
+    # Megatron style, plain tensors: a column-parallel then a row-parallel Linear, the
+    # output all-reduced by hand; process_group=tp MAX-reduces the amaxes of the split
+    # weights, inputs and gradients, so every rank quantises with the whole tensor's
+    # scale, as one process does.
+    r0, r1 = launch(f"megatron-{recipe}")
+    assert r0["params"] == r1["params"] and r0["histories"] == r1["histories"]
+    for name, got in r0["params"].items():
+        ref = r0["reference"][name]
+        err = max(abs(a - b) for a, b in zip(got, ref))
+        assert err <= 1e-2 * max(1.0, max(abs(b) for b in ref)), (name, err)
+    assert r0["params"] != r0["initial"]
+
+
+def _megatron_worker(rank: int, recipe: str) -> dict:  # pragma: no cover - subprocess
+    import torch
+    import torch.distributed as dist
+
+    import mpfunc_torch
+
+    class AllReduce(torch.autograd.Function):  # Megatron's row-parallel output
+        @staticmethod
+        def forward(ctx, y):
+            y = y.clone()
+            dist.all_reduce(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    initial = {k: v.flatten().tolist() for k, v in ref.state_dict().items()}
+    rows = slice(8 * rank, 8 * rank + 8)
+
+    class Split(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(32, 8)
+            self.fc2 = torch.nn.Linear(8, 4, bias=False)
+            self.b2 = torch.nn.Parameter(ref[2].bias.detach().clone())
+            with torch.no_grad():
+                self.fc1.weight.copy_(ref[0].weight[rows])
+                self.fc1.bias.copy_(ref[0].bias[rows])
+                self.fc2.weight.copy_(ref[2].weight[:, rows])
+
+        def forward(self, x):
+            return AllReduce.apply(self.fc2(torch.relu(self.fc1(x)))) + self.b2
+
+    net = Split()
+    tp = dist.group.WORLD
+    mpfunc_torch.mark_replicated(net.b2, tp)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.5), torch.nn.MSELoss(), mode="fp8",
+        recipe=recipe, process_group=tp)
+    rmodel, ropt, rcrit = mpfunc_torch.convert_to_amp(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.5), torch.nn.MSELoss(), mode="fp8",
+        recipe=recipe)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+        for mo, op, cr in ((model, opt, crit), (rmodel, ropt, rcrit)):
+            op.zero_grad()
+            op.backward(cr(mo(x), y))
+            op.clip_grad_norm(1e9)  # global norm over the split params (a collective)
+            op.step()
+
+    def gathered(t, dim):
+        parts = [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(parts, t.detach().contiguous())
+        return torch.cat(parts, dim)
+
+    full = {"0.weight": gathered(net.fc1.weight, 0), "0.bias": gathered(net.fc1.bias, 0),
+            "2.weight": gathered(net.fc2.weight, 1), "2.bias": net.b2.detach()}
+    return {"rank": rank, "initial": initial,
+            "params": {k: v.flatten().tolist() for k, v in full.items()},
+            "reference": {k: v.flatten().tolist() for k, v in ref.state_dict().items()
+                          if k in full},
+            "histories": {k: v.tolist() for k, v in net.state_dict().items() if "fp8_" in k}}
+
+
 def _fsdp_worker(rank: int, recipe: str, tp: bool = False) -> dict:  # pragma: no cover
     import torch
     import torch.distributed as dist
@@ -195,6 +278,11 @@ def _worker(rank: int, port: str, grouped: str) -> None:  # pragma: no cover - s
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
+    if grouped.startswith("megatron-"):
+        print("RESULT " + json.dumps(_megatron_worker(rank, grouped[len("megatron-"):])),
+              flush=True)
+        dist.destroy_process_group()
+        return
     if grouped.startswith(("fsdp-", "tp-")):
         kind, recipe = grouped.split("-", 1)
         print("RESULT " + json.dumps(_fsdp_worker(rank, recipe, tp=kind == "tp")), flush=True)
