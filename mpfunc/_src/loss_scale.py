@@ -17,10 +17,10 @@ from _mpfunc_common.scale_config import (
     resolve_scale_config,
     to_float32,
 )
-from mpfunc._src.distributed import AxisName, all_finite, check_axis_name
+from mpfunc._src.distributed import AxisName, _is_float, all_finite, check_axis_name
 from mpfunc._src.exact_skip import cond_skip_update, neg_zeros_like, skip_update
 from mpfunc._src.scale_rule import check_inner_state, next_scale
-from mpfunc._src.scale_state import LossScaleState, ScaledValueAndGrad, _is_float, _unscale
+from mpfunc._src.scale_state import LossScaleState, ScaledValueAndGrad, _unscale
 
 __all__ = [
     "as_transformation",

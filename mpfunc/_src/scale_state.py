@@ -8,9 +8,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from mpfunc._src.distributed import AxisName, all_finite, check_axis_name
+from mpfunc._src.distributed import AxisName, _is_float, all_finite, check_axis_name
 
 __all__ = [
     "LossScaleState",
@@ -60,10 +59,6 @@ class ScaledValueAndGrad(NamedTuple):
     value: Any
     grads: Any
     finite: jax.Array
-
-
-def _is_float(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _unscale(tree: Any, inv_scale: jax.Array | None) -> Any:

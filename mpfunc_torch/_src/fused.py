@@ -47,12 +47,12 @@ def _dense(t: torch.Tensor, real: bool) -> torch.Tensor:
     return t
 
 
-def _group(tensors: Iterable[torch.Tensor], real: bool = True) -> dict[tuple, list]:
+def _group(tensors: Iterable[torch.Tensor]) -> dict[tuple, list]:
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         if t is None:
             continue
-        t = _dense(t, real)
+        t = _dense(t, real=True)
         groups[(t.device, t.dtype)].append(t)
     return groups
 
