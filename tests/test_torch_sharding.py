@@ -171,3 +171,40 @@ def test_fp8_mode_under_fully_shard_trains_like_the_unsharded_model(world, recip
     for (k, a), b in zip(net.state_dict().items(), ref.state_dict().values()):
         if "fp8_" in k:  # delayed histories and scales: the same, bit for bit
             assert torch.equal(a, b), k
+
+
+def test_fp8_mode_on_a_huggingface_llama_under_fully_shard(world):
+    # A real model as users shard it: each decoder layer and the root are FSDP2 units
+    # (the Linears inside stay plain nn.Linear and change class in place).
+    transformers = pytest.importorskip("transformers")
+
+    def build(sharded):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32,
+                                       intermediate_size=64, num_attention_heads=2,
+                                       num_key_value_heads=2, vocab_size=64,
+                                       max_position_embeddings=32, bos_token_id=0,
+                                       eos_token_id=0)
+        net = transformers.LlamaForCausalLM(cfg)
+        if sharded:
+            for layer in net.model.layers:
+                fully_shard(layer)
+            fully_shard(net)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        model, opt, _ = mpfunc_torch.convert_to_amp(net, opt, mode="fp8", recipe="delayed")
+        return net, model, opt
+
+    (net, model, opt), (ref, ref_model, ref_opt) = build(True), build(False)
+    fp8 = [m for m in net.modules() if isinstance(m, mpfunc_torch.Fp8Linear)]
+    assert len(fp8) == 2 * 7 + 1  # q k v o gate up down per layer, and lm_head
+    ids_ = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    for mo, op in ((model, opt), (ref_model, ref_opt)):
+        for _ in range(2):
+            op.zero_grad()
+            op.backward(mo(input_ids=ids_, labels=ids_).loss)
+            assert bool(op.step())
+    for (k, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert is_dtensor(p) and torch.equal(p.full_tensor(), q), k
+    for (k, a), b in zip(net.state_dict().items(), ref.state_dict().values()):
+        if "fp8_" in k:
+            assert torch.equal(a, b), k
