@@ -513,6 +513,34 @@ class TestAllFinite:
                     assert not bool(check(jnp.eye(shape[0], dtype=dtype), x))
         assert bool(jax.jit(mpfunc.all_finite)({"g": jnp.full(shape, 6e4, dtype)}))
 
+    def test_every_leaf_of_every_group_is_seen(self):
+        # The check runs over groups of up to 16 leaves that share a role, shape and dtype
+        # (40 layers make groups of 16, 16 and 8). One bad element in any leaf, whatever
+        # its group, its place in it, its dtype or rank, is seen.
+        tree = {f"layer_{i}": {"w": jnp.ones((8, 4)), "b": jnp.ones((4,), jnp.bfloat16)}
+                for i in range(40)}
+        tree.update(h=[jnp.ones((3,), jnp.float16)] * 3, s=jnp.float32(1.0),
+                    e=jnp.ones((0, 2)), i=jnp.arange(3))
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        check = jax.jit(mpfunc.all_finite)
+        assert bool(check(tree))
+        bads = (np.nan, np.inf, -np.inf)
+        for k, leaf in enumerate(leaves):
+            if not jnp.issubdtype(leaf.dtype, jnp.floating) or not leaf.size:
+                continue
+            bad = leaf.reshape(-1).at[k % leaf.size].set(bads[k % 3]).reshape(leaf.shape)
+            poisoned = jax.tree_util.tree_unflatten(
+                treedef, leaves[:k] + [bad] + leaves[k + 1:])
+            assert not bool(check(poisoned)), (k, leaf.shape, leaf.dtype)
+
+    def test_one_reduction_per_group_not_per_leaf(self):
+        # Compile time: a reduction per leaf doubled a 96-layer step's XLA time. The same
+        # leaf of every layer is checked 16 at a time, so 64 layers' weights and biases
+        # need 4 + 4 reductions, not 128 (the lowered program, before XLA touches it).
+        tree = {f"layer_{i}": {"w": jnp.ones((16, 8)), "b": jnp.ones((8,))} for i in range(64)}
+        text = jax.jit(mpfunc.all_finite).lower(tree).as_text()
+        assert text.count("stablehlo.reduce") == 8, text.count("stablehlo.reduce")
+
 
 @pytest.mark.parametrize("bad", [
     dict(growth_factor=1.0), dict(growth_factor=0.5), dict(growth_factor=float("inf")),
@@ -862,6 +890,49 @@ class TestRestoredStates:
         u, state = opt.update({"w": jnp.full((2,), 2.0**16)}, state, params)
         np.testing.assert_array_equal(u["w"], 1.0)
         assert int(state.inner_state["n"]) == 3
+
+    def test_a_good_state_costs_no_trace_of_inner_init(self):
+        # Compile time: the comparison with `inner.init`'s state runs only when `inner`
+        # fails on the state or returns it reshaped (the two tests above).
+        calls = []
+        base = adam(1e-3)
+
+        def init(params):
+            calls.append(1)
+            return base.init(params)
+
+        opt = mpfunc.dynamic_scale(optax.GradientTransformation(init, base.update))
+        params = {"w": jnp.ones((2,))}
+        state = opt.init(params)
+        assert len(calls) == 1
+        jax.jit(opt.update)({"w": jnp.ones((2,))}, state, params)
+        assert len(calls) == 1
+
+    @pytest.mark.parametrize("make", [
+        lambda inner: mpfunc.static_scale(0.5, inner),
+        lambda inner: mpfunc.dynamic_scale(inner, init_scale=0.5, min_scale=0.25),
+    ])
+    def test_below_one_the_unscaled_gradients_are_checked(self, make):
+        # At a scale >= 1 the check reads the gradients as they came (unscaling cannot
+        # change finiteness). Below 1 unscaling multiplies by more than 1: a finite
+        # 2e38 becomes inf at scale 0.5, and that step must be skipped.
+        opt = make(optax.sgd(1.0))
+        params = {"w": jnp.ones((2,))}
+        state = opt.init(params)
+        u, state = jax.jit(opt.update)({"w": jnp.array([2e38, 1.0])}, state, params)
+        assert not bool(state.last_finite) and int(state.skipped_steps) == 1
+        np.testing.assert_array_equal(optax.apply_updates(params, u)["w"], params["w"])
+        # 5e37 is finite after unscaling at 0.5 or at the backed-off 0.25: applied.
+        u, state = jax.jit(opt.update)({"w": jnp.array([5e37, 1.0])}, state, params)
+        assert bool(state.last_finite)
+
+    def test_at_or_above_one_the_check_agrees_with_the_unscaled_one(self):
+        opt = mpfunc.dynamic_scale(optax.sgd(1.0), init_scale=1.0)
+        params = {"w": jnp.ones((3,))}
+        for g, want in ((3.4e38, True), (np.inf, False), (np.nan, False), (-np.inf, False)):
+            _, state = jax.jit(opt.update)({"w": jnp.array([g, 1.0, 0.0])},
+                                           opt.init(params), params)
+            assert bool(state.last_finite) == want, g
 
 class TestValidation:
     @pytest.mark.parametrize("scale", [np.float32(2.0), jnp.float32(2.0), np.float64(2.0),

@@ -6,13 +6,16 @@ over process groups).
 
 from __future__ import annotations
 
+import functools
 import numbers
+import re
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 __all__ = ["AxisName", "all_finite", "check_axis_name", "nonfinite_count", "finite_from_count"]
 
@@ -55,31 +58,66 @@ def _is_float(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _has_nonfinite(x: jax.Array) -> jax.Array:
-    """Whether ``x`` holds an inf or NaN, as a bool scalar.
+# Leaves checked by one kernel. XLA:CPU compiles a kernel per check (and per reduction),
+# about 2 ms each: one per leaf doubled a 96-layer step's compile time. Sixteen operands
+# per kernel compile fastest (measured 4, 8, 16, 32, 64, 192); larger kernels cost more
+# again (BENCHMARKS.md section 6).
+_GROUP = 16
 
-    Written as ``max(where(isfinite(x), 0, 1)) > 0`` in uint8, not ``any(~isfinite(x))``:
-    XLA:CPU runs that max as one library reduction, while a boolean ``any`` becomes a
-    ``pred`` array, a transposed copy of it and a windowed reduction per leaf. Same
-    answer, same bytes; the float16-compute train step went from 1.3x to about 1.05x
-    plain Adam's time (BENCHMARKS.md section 6). The max only ever sees 0 and 1:
-    ``max(|x|)`` would skip the ``where``, but XLA:CPU's float max reduction drops NaN
-    (a test pins that every NaN and inf is seen).
+
+def _group_key(path, x) -> tuple:
+    """Leaves with equal keys are checked together: the same role (the key path with
+    layer numbers dropped), shape and dtype, and, where jax knows it at trace time, the
+    same sharding and shard_map varying axes. Combining them elementwise then needs no
+    data movement: ``layers_3/attn/q`` and ``layers_7/attn/q`` are laid out alike."""
+    role = re.sub(r"\d+", "#", jax.tree_util.keystr(path))
+    try:
+        sharding = str(jax.typeof(x).sharding)
+    except Exception:  # pragma: no cover - very old jax
+        sharding = None
+    return role, tuple(x.shape), x.dtype, sharding, _varying_axes(x)
+
+
+def _group_has_nonfinite(xs: list) -> jax.Array:
+    """Whether any of the equally shaped ``xs`` holds an inf or NaN, as a bool scalar.
+
+    ``max(where(isfinite(x1) & isfinite(x2) & ..., 0, 1)) > 0`` in uint8: the elementwise
+    part fuses into one XLA kernel over every leaf of the group, and the reduction is one
+    more, over one byte per element of *one* leaf. A boolean ``any`` would compile to a
+    ``pred`` array, a transposed copy and a windowed reduction. ``max(|x|)`` would skip
+    the ``isfinite``, but XLA:CPU's float max reduction drops NaN (a test pins that every
+    NaN and inf is seen).
     """
-    one, zero = jnp.ones((), jnp.uint8), jnp.zeros((), jnp.uint8)
-    return jnp.max(jnp.where(jnp.isfinite(x), zero, one)) > 0
+    oks = [lax.is_finite(x) for x in xs]
+    # A balanced tree: XLA's simplifier sinks a transposed gradient's transpose through
+    # one link per pass, so a chain of 16 ran the simplification passes 16 more times.
+    while len(oks) > 1:
+        oks = [lax.bitwise_and(*oks[i:i + 2]) if i + 1 < len(oks) else oks[i]
+               for i in range(0, len(oks), 2)]
+    ok = oks[0]
+    flags = lax.select(ok, lax.full_like(ok, 0, jnp.uint8), lax.full_like(ok, 1, jnp.uint8))
+    return lax.reduce_max(flags, tuple(range(flags.ndim))) > 0
 
 
 def nonfinite_count(tree: Any) -> jax.Array:
-    """Number of floating leaves of ``tree`` holding at least one inf or NaN (int32)."""
+    """Number of checked groups of floating leaves of ``tree`` holding an inf or NaN.
+
+    Zero exactly when every floating leaf is finite (int32). Leaves are checked in
+    groups of up to ``_GROUP`` that share a role, shape, dtype and layout
+    (`_group_key`); an empty leaf holds nothing non-finite.
+    """
+    groups: dict[tuple, list] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _is_float(x) and x.size:
+            groups.setdefault(_group_key(path, x), []).append(x)
     flags = [
-        _has_nonfinite(x).astype(jnp.int32)
-        for x in jax.tree_util.tree_leaves(tree)
-        if _is_float(x) and x.size  # an empty leaf holds nothing non-finite
+        lax.convert_element_type(_group_has_nonfinite(xs[i:i + _GROUP]), jnp.int32)
+        for xs in groups.values()
+        for i in range(0, len(xs), _GROUP)
     ]
     if not flags:
         return jnp.zeros((), jnp.int32)
-    return sum(flags[1:], flags[0])
+    return functools.reduce(lax.add, flags)
 
 
 def finite_from_count(count: jax.Array) -> jax.Array:

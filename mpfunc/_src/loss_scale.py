@@ -65,6 +65,10 @@ def _cast_like(tree: Any, like: Any) -> Any:
     )
 
 
+def _shapes(tree: Any) -> list:
+    return [jnp.shape(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
 def _scale_transform(
     inner: Any,
     *,
@@ -88,6 +92,10 @@ def _scale_transform(
     initial = cfg.initial_scale if cfg is not None else static_value
     hysteresis = cfg.hysteresis if cfg is not None else 1
     unscale = not (cfg is None and static_value == 1.0)
+    # At a scale >= 1 unscaling multiplies by at most 1: it can neither make a finite
+    # gradient non-finite nor the reverse. Below 1 it can overflow, so the check must
+    # see the unscaled values (as torch's GradScaler does; mpfunc_torch does the same).
+    below_one = cfg.may_go_below_one if cfg is not None else static_value < 1.0
 
     def init_fn(params):
         zero = jnp.zeros((), jnp.int32)
@@ -108,27 +116,38 @@ def _scale_transform(
                 f"{type(state).__name__}."
             )
         if isinstance(updates, ScaledValueAndGrad):  # from mpfunc.value_and_grad
-            grads = _unscale(updates.grads, None)
+            grads = checked = _unscale(updates.grads, None)
             like = params if params is not None else updates.grads
         else:
             inv = (jnp.float32(1.0) / state.loss_scale) if unscale else None
             grads, like = _unscale(updates, inv), updates
-        if inner is not None:
-            check_inner_state(inner, state, params if params is not None else grads)
-        finite = all_finite(grads, axis_name)
+            # The check reads the gradients as they came where it gives the same answer,
+            # so that it does not need the unscaled ones materialised for it.
+            checked = grads if below_one else updates
+        finite = all_finite(checked, axis_name)
 
         if inner is None:
             # Chain form: never let inf/nan reach a later link; emit -0.0 instead.
             new_updates = jax.tree_util.tree_map(
                 lambda g: jnp.where(finite, g, neg_zeros_like(g)) if _is_float(g) else g, grads)
             new_inner = state.inner_state
-        elif skip_with == "cond":
-            new_updates, new_inner = cond_skip_update(
-                inner.update, finite, grads, state.inner_state, params, extra_args)
         else:
-            new_updates, new_inner = skip_update(
-                inner.update, finite, grads, state.inner_state, params, extra_args,
-                fused=skip_with == "fused")
+            # A state from another optimizer (or for other params) fails inside `inner`,
+            # or comes back reshaped; only then is it compared with `inner.init`'s, so a
+            # good state costs no trace of `inner.init`.
+            try:
+                if skip_with == "cond":
+                    new_updates, new_inner = cond_skip_update(
+                        inner.update, finite, grads, state.inner_state, params, extra_args)
+                else:
+                    new_updates, new_inner = skip_update(
+                        inner.update, finite, grads, state.inner_state, params, extra_args,
+                        fused=skip_with == "fused")
+            except Exception:
+                check_inner_state(inner, state, params if params is not None else grads)
+                raise
+            if _shapes(new_inner) != _shapes(state.inner_state):
+                check_inner_state(inner, state, params if params is not None else grads)
         new_updates = _cast_like(new_updates, like)
 
         if cfg is not None:
