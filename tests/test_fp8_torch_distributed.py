@@ -108,6 +108,28 @@ def test_hand_split_tensor_parallel_over_two_ranks_trains_like_one_process(recip
     assert_ranks_agree_and_follow_one_process(*launch(f"megatron-{recipe}"))
 
 
+def _train_side_by_side(net, ref, recipe, shard=lambda t: t, clip=False,
+                        **kwargs):  # pragma: no cover - subprocess
+    """Three fp8 SGD steps of the distributed ``net`` (``convert_to_amp(**kwargs)``, its
+    rank's ``shard`` of each batch) and of the one-process ``ref`` (the whole batch)."""
+    import torch
+
+    import mpfunc_torch
+
+    sides = [mpfunc_torch.convert_to_amp(
+        m, torch.optim.SGD(m.parameters(), lr=0.5), torch.nn.MSELoss(), mode="fp8",
+        recipe=recipe, **kw) for m, kw in ((net, kwargs), (ref, {}))]
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+        for (model, opt, crit), xs, ys in ((sides[0], shard(x), shard(y)), (sides[1], x, y)):
+            opt.zero_grad()
+            opt.backward(crit(model(xs), ys))
+            if clip:
+                opt.clip_grad_norm(1e9)
+            opt.step()
+
+
 def _megatron_worker(rank: int, recipe: str) -> dict:  # pragma: no cover - subprocess
     import torch
     import torch.distributed as dist
@@ -147,20 +169,8 @@ def _megatron_worker(rank: int, recipe: str) -> dict:  # pragma: no cover - subp
     net = Split()
     tp = dist.group.WORLD
     mpfunc_torch.mark_replicated(net.b2, tp)
-    model, opt, crit = mpfunc_torch.convert_to_amp(
-        net, torch.optim.SGD(net.parameters(), lr=0.5), torch.nn.MSELoss(), mode="fp8",
-        recipe=recipe, process_group=tp)
-    rmodel, ropt, rcrit = mpfunc_torch.convert_to_amp(
-        ref, torch.optim.SGD(ref.parameters(), lr=0.5), torch.nn.MSELoss(), mode="fp8",
-        recipe=recipe)
-    for i in range(3):
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
-        for mo, op, cr in ((model, opt, crit), (rmodel, ropt, rcrit)):
-            op.zero_grad()
-            op.backward(cr(mo(x), y))
-            op.clip_grad_norm(1e9)  # global norm over the split params (a collective)
-            op.step()
+    # clip: the global norm over the split params (a collective).
+    _train_side_by_side(net, ref, recipe, clip=True, process_group=tp)
 
     def gathered(t, dim):
         parts = [torch.empty_like(t) for _ in range(2)]
@@ -181,7 +191,6 @@ def _fsdp_worker(rank: int, recipe: str, tp: bool = False) -> dict:  # pragma: n
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    import mpfunc_torch
 
     def build():
         torch.manual_seed(0)
@@ -209,21 +218,8 @@ def _fsdp_worker(rank: int, recipe: str, tp: bool = False) -> dict:  # pragma: n
             fully_shard(m)
         fully_shard(net)
         group = {"fp8_amax_group": dist.group.WORLD}
-    model, opt, crit = mpfunc_torch.convert_to_amp(
-        net, torch.optim.SGD(net.parameters(), lr=0.5), torch.nn.MSELoss(), mode="fp8",
-        recipe=recipe, **group)
-    rmodel, ropt, rcrit = mpfunc_torch.convert_to_amp(
-        ref, torch.optim.SGD(ref.parameters(), lr=0.5), torch.nn.MSELoss(), mode="fp8",
-        recipe=recipe)
-    for i in range(3):
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
-        mine = slice(None) if tp else slice(4 * rank, 4 * rank + 4)
-        for mo, op, cr, xs, ys in ((model, opt, crit, x[mine], y[mine]),
-                                   (rmodel, ropt, rcrit, x, y)):
-            op.zero_grad()
-            op.backward(cr(mo(xs), ys))
-            op.step()
+    mine = slice(None) if tp else slice(4 * rank, 4 * rank + 4)
+    _train_side_by_side(net, ref, recipe, shard=lambda t: t[mine], **group)
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).flatten().tolist()
               for k, v in net.state_dict().items() if k in initial}
     return {"rank": rank, "initial": initial, "params": params,

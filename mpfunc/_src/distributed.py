@@ -71,11 +71,7 @@ def _group_key(path, x) -> tuple:
     same sharding and shard_map varying axes. Combining them elementwise then needs no
     data movement: ``layers_3/attn/q`` and ``layers_7/attn/q`` are laid out alike."""
     role = re.sub(r"\d+", "#", jax.tree_util.keystr(path))
-    try:
-        sharding = str(jax.typeof(x).sharding)
-    except Exception:  # pragma: no cover - very old jax
-        sharding = None
-    return role, tuple(x.shape), x.dtype, sharding, _varying_axes(x)
+    return role, tuple(x.shape), x.dtype, str(jax.typeof(x).sharding), _varying_axes(x)
 
 
 def _group_has_nonfinite(xs: list) -> jax.Array:
