@@ -313,3 +313,49 @@ def test_without_dot_algorithms_changes_nothing_else():
     np.testing.assert_array_equal(jax.jit(routed)(q), attention(q))
     g = jax.jit(jax.grad(lambda q: routed(q).astype(jnp.float32).sum()))(q)
     np.testing.assert_array_equal(g, jax.grad(lambda q: attention(q).astype(jnp.float32).sum())(q))
+
+
+def bf16_attention_loss(w, x, heads=2):
+    b, s, d = x.shape
+    q, k, v = jnp.split(x @ w, 3, axis=-1)
+    q, k, v = (t.reshape(b, s, heads, d // heads) for t in (q, k, v))
+    att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
+    return jnp.mean(jnp.einsum("bhqk,bkhd->bqhd", att, v).astype(jnp.float32) ** 2)
+
+
+def test_bfloat16_attention_backward_runs_on_every_backend():
+    # XLA:CPU runs some of the backward's bf16 x bf16 -> f32 dots with a kernel that
+    # refuses them ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32",
+    # jax 0.10.2): bf16 autocast of an attention block could not be trained on CPU.
+    x = rand(2, 16, 32)
+    w = rand(32, 96) / np.sqrt(32)
+    f = mpfunc.autocast(bf16_attention_loss, compute_dtype=jnp.bfloat16)
+    value, grad = jax.jit(jax.value_and_grad(f))(w, x)
+    assert grad.dtype == F32 and np.all(np.isfinite(grad))
+    ref_value, ref_grad = jax.value_and_grad(bf16_attention_loss)(w, x)
+    np.testing.assert_allclose(value, ref_value, rtol=3e-2)
+    np.testing.assert_allclose(grad, ref_grad, rtol=0.1, atol=0.1 * np.abs(ref_grad).max())
+
+
+def test_bfloat16_dots_per_platform():
+    # Elsewhere a bf16 x bf16 dot accumulates into float32 as one mixed dot; on CPU the
+    # bf16-rounded operands are widened first (exact), so it computes the same products
+    # and float32 sums, and compiles.
+    a, b = rand(8, 16), rand(16, 4)
+    f = mpfunc.autocast(lambda a, b: a @ b, compute_dtype=jnp.bfloat16)
+
+    def dots(text):
+        return [ln.split(": (")[1].split(") -> ")[0] for ln in text.splitlines()
+                if "stablehlo.dot_general" in ln]
+
+    cuda = jax.export.export(jax.jit(f), platforms=["cuda"])(a, b).mlir_module()
+    assert dots(cuda) == ["tensor<8x16xbf16>, tensor<16x4xbf16>"]
+    cpu = jax.export.export(jax.jit(f), platforms=["cpu"])(a, b).mlir_module()
+    assert dots(cpu) == ["tensor<8x16xf32>, tensor<16x4xf32>"]
+    assert re.search(r"stablehlo.convert .*tensor<8x16xbf16>\) -> tensor<8x16xf32>", cpu)
+    if jax.default_backend() == "cpu":
+        out = jax.jit(f)(a, b)
+        assert out.dtype == BF16
+        ref = np.asarray(a.astype(jnp.bfloat16), np.float32) @ np.asarray(
+            b.astype(jnp.bfloat16), np.float32)
+        np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=1e-2)

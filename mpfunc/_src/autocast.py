@@ -95,7 +95,8 @@ class _Rules(Rewriter):
 
         A dot algorithm preset (``F16_F16_F32``, which ``jax.nn.dot_product_attention``
         asks for with float16 inputs) is dropped: float32 accumulation is expressed by
-        ``preferred_element_type`` instead, which every backend supports.
+        ``preferred_element_type`` instead (see `_accumulate_in_float32` for bfloat16 on
+        CPU).
         """
         invals = [cast(x, self.compute) for x in invals]
         params = strip_dot_algorithm(params)
@@ -115,7 +116,7 @@ class _Rules(Rewriter):
 
         @jax.custom_vjp
         def op(a, b):
-            return cast(prim.bind(a, b, **acc), compute)
+            return cast(_accumulate_in_float32(prim, a, b, acc), compute)
 
         def fwd(a, b):
             return op(a, b), (a, b)
@@ -130,6 +131,25 @@ class _Rules(Rewriter):
 
         op.defvjp(fwd, bwd)
         return op
+
+
+def _accumulate_in_float32(prim, a, b, params):
+    """``prim(a, b)`` with a float32 result (``params`` asks for it).
+
+    XLA:CPU runs a dot that its fast paths do not take (e.g. a batched one contracting a
+    non-minor dimension, as attention's backward has) with a kernel that cannot take
+    bfloat16 inputs with a float32 result ("Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32", jax 0.10.2). There the bfloat16 operands are
+    widened to float32 first: every bfloat16 value is exact in float32, so the products
+    and their float32 sum are the same; other platforms keep the mixed dot.
+    """
+    if prim.name != "dot_general" or a.dtype != jnp.bfloat16 or b.dtype != jnp.bfloat16:
+        return prim.bind(a, b, **params)
+    f32 = jnp.float32
+    return jax.lax.platform_dependent(
+        a, b,
+        cpu=lambda a, b: prim.bind(a.astype(f32), b.astype(f32), **params),
+        default=lambda a, b: prim.bind(a, b, **params))
 
 
 def follow_inputs(prim, params, invals, floats):
