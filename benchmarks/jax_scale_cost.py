@@ -14,6 +14,11 @@ it, at three depths of an MLP (width 256, two leaves per layer), all compiled as
   (``step_ratio_paired_median``, the steadiest figure on a noisy machine).
 
     python benchmarks/jax_scale_cost.py [--depths 8 24 96] [--batch 32] [--json F]
+        [--model transformer]
+
+``--model transformer`` swaps the MLP for a pre-LayerNorm transformer (width 256, 4
+heads, sequence 64, MLP 1024; ten leaves per layer), so the optimizer is a smaller share
+of the step than in the MLP.
 """
 
 from __future__ import annotations
@@ -64,11 +69,75 @@ def apply_mlp_f16(params, x):
     return F16.cast_to_output(apply_mlp(F16.cast_to_compute(params), F16.cast_to_compute(x)))
 
 
+SEQ, HEADS = 64, 4
+
+
+def _layer_norm(x, p):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+
+def init_transformer(depth, width=WIDTH):
+    def dense(k, n_in, n_out):
+        return jax.random.normal(k, (n_in, n_out)) / jnp.sqrt(n_in)
+
+    def norm():
+        return {"scale": jnp.ones((width,)), "bias": jnp.zeros((width,))}
+
+    params = {}
+    for i, k in enumerate(jax.random.split(jax.random.key(0), depth)):
+        k1, k2, k3, k4 = jax.random.split(k, 4)
+        params[f"layer_{i}"] = {
+            "ln1": norm(), "wqkv": dense(k1, width, 3 * width), "wo": dense(k2, width, width),
+            "ln2": norm(), "w1": dense(k3, width, 4 * width), "b1": jnp.zeros((4 * width,)),
+            "w2": dense(k4, 4 * width, width), "b2": jnp.zeros((width,))}
+    params["LayerNorm_0"] = norm()
+    return params
+
+
+def apply_transformer(params, x):
+    """A causal pre-LayerNorm transformer over ``x`` of shape (batch, SEQ, WIDTH)."""
+    b, s, d = x.shape
+    mask = jnp.tril(jnp.ones((s, s), bool))
+    for i in range(len(params) - 1):
+        p = params[f"layer_{i}"]
+        q, k, v = jnp.split(_layer_norm(x, p["ln1"]) @ p["wqkv"], 3, axis=-1)
+        q, k, v = (t.reshape(b, s, HEADS, d // HEADS) for t in (q, k, v))
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // HEADS).astype(x.dtype)
+        att = jax.nn.softmax(jnp.where(mask, logits.astype(jnp.float32), -1e9), axis=-1)
+        o = jnp.einsum("bhqk,bkhd->bqhd", att.astype(x.dtype), v).reshape(b, s, d)
+        x = x + o @ p["wo"]
+        h = jax.nn.gelu(_layer_norm(x, p["ln2"]) @ p["w1"] + p["b1"])
+        x = x + h @ p["w2"] + p["b2"]
+    return _layer_norm(x.astype(jnp.float32),
+                       jax.tree.map(lambda a: a.astype(jnp.float32), params["LayerNorm_0"]))
+
+
+MODELS = {"mlp": (init_mlp, apply_mlp, lambda batch: (batch, WIDTH)),
+          "transformer": (init_transformer, apply_transformer,
+                          lambda batch: (batch, SEQ, WIDTH))}
+_model = "mlp"  # set by --model
+
+
+def init_model(depth):
+    return MODELS[_model][0](depth)
+
+
+def apply_model(params, x):
+    return MODELS[_model][1](params, x)
+
+
+def apply_model_f16(params, x):
+    """The model computing in float16 from float32 params (where loss scaling is needed)."""
+    return F16.cast_to_output(apply_model(F16.cast_to_compute(params), F16.cast_to_compute(x)))
+
+
 def mse(out):
     return jnp.mean(out.astype(jnp.float32) ** 2)
 
 
-def optax_step(tx, scaled=False, apply_fn=apply_mlp):
+def optax_step(tx, scaled=False, apply_fn=apply_model):
     """A step through one optax transformation (with `scale_loss` when ``scaled``)."""
 
     def step(params, state, x):
@@ -92,7 +161,7 @@ def flax_step(tx):
 
     def step(params, state, x):
         opt_state, ds = state
-        ds, finite, _, grads = ds.value_and_grad(lambda p: mse(apply_mlp(p, x)))(params)
+        ds, finite, _, grads = ds.value_and_grad(lambda p: mse(apply_model(p, x)))(params)
         updates, new_opt = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         keep = lambda a, b: jax.tree.map(lambda u, v: jnp.where(finite, u, v), a, b)  # noqa: E731
@@ -113,7 +182,7 @@ def jmp_step(tx):
     def step(params, state, x):
         opt_state, (scale, counter) = state
         ls = jmp.DynamicLossScale(scale, counter)
-        grads = jax.grad(lambda p: ls.scale(mse(apply_mlp(p, x))))(params)
+        grads = jax.grad(lambda p: ls.scale(mse(apply_model(p, x))))(params)
         grads = ls.unscale(grads)
         finite = jmp.all_finite(grads)
         updates, new_opt = tx.update(grads, opt_state, params)
@@ -130,7 +199,7 @@ def helper_step(tx):
     """mpfunc.value_and_grad (flax-style) feeding the wrapper form."""
 
     def step(params, state, x):
-        out = mpfunc.value_and_grad(lambda p: mse(apply_mlp(p, x)))(state, params)
+        out = mpfunc.value_and_grad(lambda p: mse(apply_model(p, x)))(state, params)
         updates, state = tx.update(out, state, params)
         return optax.apply_updates(params, updates), state
 
@@ -161,11 +230,11 @@ def scaling_variants():
             "plain optax.adam", *optax_step(optax.chain(mpfunc.dynamic_scale(), adam), True),
             ident),
         # Where a loss scale is used: float32 params, float16 compute.
-        "plain optax.adam, float16 compute": (None, *optax_step(adam, False, apply_mlp_f16),
+        "plain optax.adam, float16 compute": (None, *optax_step(adam, False, apply_model_f16),
                                               ident),
         "mpfunc.dynamic_scale(adam), float16 compute": (
             "plain optax.adam, float16 compute",
-            *optax_step(mpfunc.dynamic_scale(adam), True, apply_mlp_f16), ident),
+            *optax_step(mpfunc.dynamic_scale(adam), True, apply_model_f16), ident),
         # Global-norm clipping, as most large-model recipes use: it too must see every
         # gradient before it updates any parameter.
         "optax.chain(clip_by_global_norm(1.0), adam)": (None, *optax_step(clipped), ident),
@@ -185,7 +254,7 @@ def scaling_variants():
                                ("apex O1", "apex", {"opt_level": "O1", "verbosity": 0}),
                                ("apex O2", "apex", {"opt_level": "O2", "verbosity": 0}),
                                ("naive", "naive", {}), ("bf16", "bf16", {})):
-        amp = mpfunc.convert_to_amp(apply_mlp, adam, mode=mode, **config)
+        amp = mpfunc.convert_to_amp(apply_model, adam, mode=mode, **config)
         # The same mode without loss scaling: same precision, same master weights.
         bare = mpfunc.master_weights(adam) if amp.plan.master_weights else adam
         base = f"mode {name}, no loss scaling"
@@ -196,8 +265,8 @@ def scaling_variants():
 
 
 def measure(variants, depth, batch, compile_repeats, rounds, iters):
-    params32 = init_mlp(depth)
-    x = jax.random.normal(jax.random.key(1), (batch, WIDTH))
+    params32 = init_model(depth)
+    x = jax.random.normal(jax.random.key(1), MODELS[_model][2](batch))
     rows, runs, inputs, best = {}, {}, {}, {}
     for name, (_, init, _, cast) in variants.items():
         # Fresh buffers: donation deletes them, and a state may alias the params.
@@ -278,7 +347,7 @@ def run(depths, batch, compile_repeats, rounds, iters, only=None):
         "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
                   f"{cpu_name()}",
         "versions": {"jax": jax.__version__, "optax": optax.__version__},
-        "batch": batch, "width": WIDTH, "compile_repeats": compile_repeats,
+        "model": _model, "batch": batch, "width": WIDTH, "compile_repeats": compile_repeats,
         "rounds": rounds, "iters": iters,
         "depths": [measure(variants, d, batch, compile_repeats, rounds, iters)
                    for d in depths],
@@ -290,7 +359,8 @@ def to_markdown(r):
     head = " | ".join(f"{d['depth']} layers ({d['leaves']} leaves)" for d in depths)
     out = [
         f"Device: {r['device']}; jax {r['versions']['jax']}, optax {r['versions']['optax']}; "
-        f"MLP width {r['width']}, batch {r['batch']}; donated step. Each cell: peak memory "
+        f"{r.get('model', 'mlp')} width {r['width']}, batch {r['batch']}; donated step. "
+        "Each cell: peak memory "
         "/ compile time" + (" / step time" if r["rounds"] else "") + ", as ratios to the "
         "row's baseline (plain Adam, or the same mode without loss scaling).",
         "",
@@ -321,7 +391,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=None, help="variant names (and baselines)")
     ap.add_argument("--json", default=None, help="also write the result here")
+    ap.add_argument("--model", choices=sorted(MODELS), default="mlp")
     args = ap.parse_args(argv)
+    global _model
+    _model = args.model
     r = run(args.depths, args.batch, args.compile_repeats, args.rounds, args.iters, args.only)
     print(to_markdown(r))
     if args.json:

@@ -94,3 +94,19 @@ def test_torch_sharding():
     r = json.loads(run_script("torch_sharding.py", "--hidden", "64", "--layers", "1",
                               "--sizes", "1,2", "--json", timeout=600).strip().splitlines()[-1])
     assert r
+
+
+def test_jax_scale_cost_transformer(tmp_path):
+    # The transformer model, through bf16 mode: its attention backward is what XLA:CPU
+    # could not run before autocast widened bf16 dots on CPU.
+    out = tmp_path / "r.json"
+    run_script("jax_scale_cost.py", "--model", "transformer", "--depths", "1", "--batch", "2",
+               "--compile-repeats", "1", "--rounds", "1", "--iters", "1", "--json", str(out),
+               "--only", "mode bf16", "mpfunc.dynamic_scale(adam), float16 compute")
+    r = json.loads(out.read_text())
+    assert r["model"] == "transformer"
+    (depth,) = r["depths"]
+    assert depth["leaves"] == 12  # ten per layer and the final LayerNorm's two
+    for name in ("mode bf16", "mpfunc.dynamic_scale(adam), float16 compute"):
+        assert depth["rows"][name]["peak_ratio"] <= 1.02
+        assert depth["rows"][name]["step_ms"] > 0
