@@ -263,11 +263,12 @@ def test_config_object_is_a_static_jit_argument():
     forward(x, mpfunc.FP16NaiveMixedPrecision(hysteresis=4))            # differs: retraced
     forward(x, mpfunc.BF16MixedPrecision())
     assert len(traces) == 3
-    # And the mode it names is what runs: the dot's operands are float16 / bfloat16.
+    # And the mode it names is what runs: the dot's operands are float16 / bfloat16 (as
+    # lowered for a GPU: on CPU autocast widens bf16 dot operands, see test_autocast).
     for cfg, dtype in [(mpfunc.FP16NaiveMixedPrecision(), "f16"),
                        (mpfunc.BF16MixedPrecision(), "bf16"),
                        (mpfunc.FP16ApexMixedPrecision(enabled=False), "f32")]:
-        hlo = forward.lower(x, cfg).as_text()
+        hlo = jax.export.export(forward, platforms=["cuda"])(x, cfg).mlir_module()
         dots = re.findall(r"stablehlo\.dot_general .*: \(tensor<3x4x(\w+)>, tensor<4x2x(\w+)>\)",
                           hlo)
         assert dots == [(dtype, dtype)], (cfg, dots)
