@@ -64,11 +64,6 @@ def apply_mlp(params, x):
 F16 = mpfunc.get_policy("params=float32,compute=float16,output=float32")
 
 
-def apply_mlp_f16(params, x):
-    """The same MLP computing in float16 from float32 params (where loss scaling is needed)."""
-    return F16.cast_to_output(apply_mlp(F16.cast_to_compute(params), F16.cast_to_compute(x)))
-
-
 SEQ, HEADS = 64, 4
 
 

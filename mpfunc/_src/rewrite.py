@@ -75,7 +75,8 @@ def strip_dot_algorithm(params: dict) -> dict:
     The accumulation type stays expressed by ``preferred_element_type``, which every
     backend honours, while a preset is refused by backends that lack it (XLA:CPU refuses
     ``F16_F16_F32`` inside ``jit``; it is what ``jax.nn.dot_product_attention`` asks for
-    with float16 inputs).
+    with float16 inputs). For bfloat16 on XLA:CPU autocast also widens the operands
+    (`autocast._accumulate_in_float32`).
     """
     precision = params.get("precision")
     algorithm_types = tuple(t for t in (getattr(jax.lax, "DotAlgorithmPreset", None),
