@@ -1,5 +1,6 @@
 """Peak memory at the optimizer step, in bytes per parameter, and step time: fp32, a
-hand-written fp16 + float32-master loop, and mpfunc_torch's master-weight modes.
+hand-written fp16 + float32-master loop, and mpfunc_torch's master-weight modes, with one
+optimizer step and with ``step_chunks`` (``--step-chunks``, default 4).
 
 Memory is counted at the allocator, exactly. Each variant runs under
 ``torch.profiler.profile(profile_memory=True)``, which reports every allocation and
@@ -19,7 +20,7 @@ gives the same bytes.
 Time: one process, every variant takes its turn each round (interleaved), medians of
 the whole iteration (ratios to the hand-written loop) and of the step window alone.
 
-    python benchmarks/torch_memory.py [--width 1024] [--depth 10] [--batch 64]
+    python benchmarks/torch_memory.py [--width 1024] [--depth 10] [--batch 64] [--step-chunks 4]
     python benchmarks/torch_memory.py --model gpt2 --batch 2 --seq 64   # GPT-2 small
     python benchmarks/torch_memory.py --copy-ab   # the copy alone, old vs chunked
 """
@@ -42,7 +43,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import mpfunc_torch
 
 STEP = "mpfunc_bench::step"
-VARIANTS = ("fp32", "hand-written fp16 + fp32 masters", "mpfunc naive", "mpfunc apex O2")
+MODES = {"mpfunc naive": ("naive", {"initial_scale": 2.0**16}),
+         "mpfunc apex O2": ("apex", {"opt_level": "O2", "verbosity": 0})}
+
+
+def variants(step_chunks: int) -> tuple[str, ...]:
+    chunked = tuple(f"{m}, step_chunks={step_chunks}" for m in MODES) if step_chunks > 1 else ()
+    return ("fp32", "hand-written fp16 + fp32 masters", *MODES, *chunked)
 
 
 def make_model(width: int, depth: int) -> torch.nn.Module:
@@ -101,13 +108,33 @@ def whole_tensor_term(net: torch.nn.Module) -> int:
     return max(2 * (n - sum(sizes[i + 1:])) for i, n in enumerate(sizes))
 
 
+def predicted_step_peak(name: str, net: torch.nn.Module, step_chunks: int) -> float:
+    """The step peak in bytes/param that the accounting predicts from the sizes alone,
+    with fused Adam (no temporaries). fp32: 4 param + 4 grad + 8 state; hand-written:
+    2 + 2 + 4 master + 4 master grad + 8; mpfunc: 18 + the whole-tensor term; with
+    ``step_chunks``: 2 half param + 4 master + 8 state, plus, at the worst chunk k,
+    2 per half grad not yet copied (chunk k's included) + 4 per element of chunk k."""
+    from mpfunc_torch._src.master_weights import chunks_of_size, largest_first
+
+    n = sum(p.numel() for p in net.parameters())
+    if name == "fp32":
+        return 16.0
+    if name.startswith("hand-written"):
+        return 20.0
+    if "step_chunks" not in name:
+        return 18 + whole_tensor_term(net) / n
+    pairs = largest_first([(p, p) for p in net.parameters()])
+    sizes = [sum(m.numel() for _, m in c) for c in chunks_of_size(pairs, step_chunks)]
+    return 14 + max(2 * sum(sizes[i:]) + 4 * c for i, c in enumerate(sizes)) / n
+
+
 def make_adam(params, kind: str) -> torch.optim.Optimizer:
     if kind == "fused":
         return torch.optim.Adam(params, lr=1e-4, fused=True)
     return torch.optim.Adam(params, lr=1e-4, foreach=kind == "foreach")
 
 
-def make_step(name: str, net: torch.nn.Module, adam: str):
+def make_step(name: str, net: torch.nn.Module, adam: str, step_chunks: int = 1):
     """One training iteration of variant ``name`` on ``net`` (float32, as built); the
     part after ``backward`` runs inside ``record_function(STEP)``."""
     crit = torch.nn.CrossEntropyLoss()
@@ -124,10 +151,10 @@ def make_step(name: str, net: torch.nn.Module, adam: str):
         return step
     if name.startswith("hand-written"):
         return _hand_written(net, crit, adam)
-    mode, cfg = {"mpfunc naive": ("naive", {"initial_scale": 2.0**16}),
-                 "mpfunc apex O2": ("apex", {"opt_level": "O2", "verbosity": 0})}[name]
-    model, opt, acrit = mpfunc_torch.convert_to_amp(net, make_adam(net.parameters(), adam),
-                                                    crit, mode=mode, **cfg)
+    mode, cfg = MODES[name.split(", step_chunks")[0]]
+    model, opt, acrit = mpfunc_torch.convert_to_amp(
+        net, make_adam(net.parameters(), adam), crit, mode=mode,
+        step_chunks=step_chunks if "step_chunks" in name else 1, **cfg)
 
     def step(x, y):
         opt.zero_grad()
@@ -221,7 +248,8 @@ def memory_of(name: str, args, steps: int = 3) -> dict:
         net, x, y = make_problem(args)
         box["n"] = sum(p.numel() for p in net.parameters())
         box["whole_tensor_term"] = whole_tensor_term(net)
-        step = make_step(name, net, args.adam)
+        box["predicted"] = predicted_step_peak(name, net, args.step_chunks)
+        step = make_step(name, net, args.adam, args.step_chunks)
         for _ in range(steps):
             step(x, y)
 
@@ -231,15 +259,16 @@ def memory_of(name: str, args, steps: int = 3) -> dict:
             "step_peaks_bytes": r["step_peaks"],
             "step_peak_per_param": r["step_peaks"][-1] / n,
             "run_peak_per_param": r["peak"] / n, "live_after_per_param": r["live_after"] / n,
-            "whole_tensor_term_per_param": box["whole_tensor_term"] / n}
+            "whole_tensor_term_per_param": box["whole_tensor_term"] / n,
+            "predicted_step_peak_per_param": box["predicted"]}
 
 
 def time_steps(args) -> dict[str, float]:
     rounds, iters = args.rounds, args.iters
     steps = {}
-    for name in VARIANTS:
+    for name in variants(args.step_chunks):
         net, x, y = make_problem(args)
-        steps[name] = make_step(name, net, args.adam)
+        steps[name] = make_step(name, net, args.adam, args.step_chunks)
     for step in steps.values():  # warm up
         step(x, y)
         step(x, y)
@@ -294,16 +323,18 @@ def copy_ab(width: int, depth: int, rounds: int = 30) -> dict[str, float]:
 
 
 def measure(args) -> dict:
-    mem = {name: memory_of(name, args) for name in VARIANTS}
+    names = variants(args.step_chunks)
+    mem = {name: memory_of(name, args) for name in names}
     med, med_step = (
         time_steps(args)
-        if args.rounds else (dict.fromkeys(VARIANTS, float("nan")),) * 2)
+        if args.rounds else (dict.fromkeys(names, float("nan")),) * 2)
     ref = "hand-written fp16 + fp32 masters"
     return {
         "device": f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__, "params": mem["fp32"]["params"], "model": args.model,
         "seq": args.seq, "width": args.width,
         "depth": args.depth, "batch": args.batch, "adam": args.adam,
+        "step_chunks": args.step_chunks,
         "rounds": args.rounds, "iters": args.iters, "memory": mem,
         "median_step_ms": {k: v * 1e3 for k, v in med.items()},
         "time_vs_hand_written": {k: v / med[ref] for k, v in med.items()},
@@ -321,17 +352,17 @@ def to_markdown(r: dict) -> str:
         f"Device: {r['device']}; torch {r['torch']}; {model}, {r['params']:,} params, batch "
         f"{r['batch']}, {adam}. Bytes counted at torch's CPU allocator (profiler memory "
         f"events); time: median of {r['rounds']} interleaved rounds x {r['iters']} steps. "
-        "Whole-tensor term: what the chunked copy holds above 18 bytes/param, predicted "
-        "from the param sizes.",
+        "Predicted: the step peak the accounting gives from the param sizes alone "
+        "(`predicted_step_peak`).",
         "",
-        "| variant | step peak (bytes/param) | whole-tensor term (bytes/param) | run peak "
+        "| variant | step peak (bytes/param) | predicted (bytes/param) | run peak "
         "(bytes/param) | live after step (bytes/param) | iteration (ms) | iteration vs "
         "hand-written | optimizer step (ms) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for k, m in r["memory"].items():
         lines.append(f"| {k} | {m['step_peak_per_param']:.3f} | "
-                     f"{m['whole_tensor_term_per_param']:.3f} | "
+                     f"{m['predicted_step_peak_per_param']:.3f} | "
                      f"{m['run_peak_per_param']:.2f} | "
                      f"{m['live_after_per_param']:.2f} | {r['median_step_ms'][k]:.1f} | "
                      f"{r['time_vs_hand_written'][k]:.3f}x | "
@@ -348,6 +379,8 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=10)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--adam", default="fused", choices=["fused", "foreach", "single"])
+    ap.add_argument("--step-chunks", type=int, default=4,
+                    help="step_chunks of the chunked mpfunc variants (1: leave them out)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--memory-only", action="store_true")

@@ -65,6 +65,11 @@ def test_torch_memory(tmp_path):
         m = mem[name]
         # 18 bytes/param plus what the whole-tensor copy is predicted to hold above it.
         assert 18 <= m["step_peak_per_param"] <= 18 + m["whole_tensor_term_per_param"] + small
+        chunked = mem[f"{name}, step_chunks=4"]  # the default --step-chunks
+        assert 16 < chunked["predicted_step_peak_per_param"] < 18
+    for m in mem.values():  # the accounting predicts every variant's peak
+        p = m["predicted_step_peak_per_param"]
+        assert p <= m["step_peak_per_param"] <= p + small
 
 
 def test_unscale_bandwidth(tmp_path):

@@ -161,3 +161,22 @@ def test_convert_then_fully_shard_is_refused_naming_the_order(fsdp2, label):
         msg = r["orders"][label]["error"]
         assert msg is not None, label
         assert "Shard first, then build the optimizer" in msg and "fully_shard(net)" in msg
+
+
+@pytest.mark.parametrize("label", ["naive", "O2"])
+def test_step_chunks_under_fsdp2_is_bitwise_one_step(fsdp2, label):
+    # step_chunks=3 on sharded (DTensor) masters: each rank checks its half-grad shards,
+    # the flag is reduced over the mesh, and every step (the skipped one included)
+    # comes out bit for bit as with one optimizer step.
+    ref = reference(label, None, False)
+    for r in fsdp2:
+        one, three = r[f"{label}-chunks1"], r[f"{label}-chunks3"]
+        assert one["report"] == three["report"]
+        assert [s[0] for s in three["report"]] == [True, False, True]
+        assert [s[:2] for s in three["report"]] == [s[:2] for s in ref["report"]]
+        assert three["skip_exact"] == [True]
+        assert one["losses"] == three["losses"]
+        assert all(torch.equal(one["params"][k], three["params"][k]) for k in one["params"])
+        assert len(one["snapshot"]) == len(three["snapshot"])
+        assert all(torch.equal(a, b) for a, b in zip(one["snapshot"], three["snapshot"]))
+        assert one["calls"] == 2 and three["calls"] >= 2 * 3  # two steps taken

@@ -262,7 +262,7 @@ def _deep_mlp(width=64, depth=16):
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 4))
 
 
-def _step_peak_bytes(mode, cfg):
+def _step_peak_bytes(mode, cfg, step_chunks=1):
     """Live bytes at torch's CPU allocator at the peak of the second ``opt.step()``
     (the first creates Adam's state). The profiler records every allocation and free
     with its address; it starts before the model is built, so everything is counted.
@@ -286,7 +286,8 @@ def _step_peak_bytes(mode, cfg):
                     opt.step()
             return
         model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.MSELoss(),
-                                                       mode=mode, **cfg)
+                                                       mode=mode, step_chunks=step_chunks,
+                                                       **cfg)
         for _ in range(2):
             opt.zero_grad()
             opt.backward(crit(model(x), y))
@@ -331,6 +332,18 @@ def test_step_peak_is_18_bytes_per_param_plus_one_tensor(mode, cfg):
         assert 18 * n <= peak <= 18 * n + 2 * largest + small
         fp32, _, _ = _step_peak_bytes(None, {})
         assert peak / fp32 <= (18 + 2 * largest / n) / 16 + small / fp32 < 20 / 16
+
+
+@pytest.mark.parametrize("k", [4, 8])
+@pytest.mark.parametrize("mode, cfg", MASTER_MODES, ids=master_ids)
+def test_chunked_step_peak_is_16_plus_4_over_k_bytes_per_param(mode, cfg, k):
+    # step_chunks=k: 2 half param + 2 half grad (those not copied yet) + 4 master + 8 Adam
+    # + 4 x one chunk's float32 grads (at most n / k elements, or the largest tensor).
+    peak, n, largest = _step_peak_bytes(mode, cfg, step_chunks=k)
+    small = 64 * 1024
+    chunk = max(-(-n // k), largest)
+    assert 16 * n <= peak <= 16 * n + 4 * chunk + small
+    assert peak < 18 * n  # below Megatron's accounting, which holds every float32 grad
 
 
 def test_chunked_copy_is_exact_and_frees_each_half_grad():
@@ -381,3 +394,39 @@ def test_accumulated_half_grads_reach_the_masters_unscaled(mode, cfg):
     assert len(opt._pairs) >= 4  # the Linear weights and biases have masters
     for p, e in zip(params, expected):
         assert torch.equal(seen[id(master_of.get(id(p), p))], e)
+
+
+@pytest.mark.parametrize("mode, cfg", MASTER_MODES, ids=master_ids)
+def test_adagrad_state_made_at_construction_moves_to_the_masters(mode, cfg):
+    # torch's Adagrad makes its accumulators (step 0) in __init__: that is not a stepped
+    # optimizer, and the state must follow the params to their float32 masters.
+    net, ref = _deep_mlp(width=16, depth=2), _deep_mlp(width=16, depth=2)
+    opt = torch.optim.Adagrad(net.parameters(), lr=0.05, initial_accumulator_value=0.1)
+    model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.MSELoss(), mode=mode,
+                                                   **cfg)
+    owned = [q for g in opt.param_groups for q in g["params"]]
+    assert set(opt.optimizer.state) == set(owned)
+    assert all(s["sum"].dtype == torch.float32 and bool((s["sum"] == 0.1).all())
+               for s in opt.optimizer.state.values())
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.05, initial_accumulator_value=0.1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        opt.backward(crit(model(x), y))
+        assert bool(opt.step())
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    master_of = {id(p): m for p, m in opt._pairs}
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(master_of.get(id(p), p).float(), q.detach(), rtol=2e-2,
+                                   atol=2e-3)
+    assert all(float(s["step"]) == 4 for s in opt.optimizer.state.values())
+    # once it has stepped, an Adagrad is refused like any other optimizer
+    stepped = torch.optim.Adagrad(ref.parameters(), lr=0.05)
+    ref_opt.zero_grad()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    stepped.step()
+    with pytest.raises(ValueError, match="already has state"):
+        mpfunc_torch.convert_to_amp(ref, stepped, mode=mode, **cfg)

@@ -155,6 +155,31 @@ def fsdp_runs(labels):
                 results[key].update(masters_bytes(opt))
 
 
+def chunk_runs():
+    """naive and O2 under FSDP2 with ``step_chunks`` 1 and 3 (no clipping: it needs every
+    master grad), an inf in the last rank's shard at the inject step: the chunked step
+    must decide and take every step as the unchunked one, bit for bit."""
+    mesh = mesh_1d()
+    rows = slice(rank * tm.BATCH // world, (rank + 1) * tm.BATCH // world)
+    for label in ("naive", "O2"):
+        for k in (1, 3):
+            net = shard(tm.make_model(), mesh, label)
+            model, opt, crit = convert(net, label, step_chunks=k)
+            calls = []
+            real = opt.optimizer.step
+            opt.optimizer.step = lambda *a, _r=real, _c=calls, **kw: (_c.append(1), _r(*a, **kw))[1]
+            skips = []
+            report, losses = train(model, opt, crit, rows, inject_rank=world - 1, skips=skips,
+                                   inject_params=list(net.blocks[0].fc1.parameters()))
+            results[f"{label}-chunks{k}"] = {
+                "report": report, "losses": losses, "skip_exact": skips, "calls": len(calls),
+                "params": full_state(net, opt),
+                # in param order: a chunked step creates the state in chunk order
+                "snapshot": [local(t).detach().clone() for q in opt._owned
+                             for t in [q, *opt.optimizer.state[q].values()]
+                             if isinstance(t, torch.Tensor)]}
+
+
 def o2_unit_error():
     """apex O2 keeps norms float32; a norm inside a float16 fully_shard unit is refused."""
     net = tm.make_model()
@@ -459,7 +484,8 @@ SECTIONS = {
     # the Megatron split; 2 pipeline stages.
     "two": [("fsdp", lambda: (fsdp_runs(ALL), o2_unit_error(), fsdp_orders(),
                               [dcp_run(outdir / ("ckpt" if m == "naive" else f"ckpt-{m}"), m)
-                               for m in DCP_MODES], single_rank_bytes(), zeros_run())),
+                               for m in DCP_MODES], single_rank_bytes(), zeros_run(),
+                              chunk_runs())),
             ("tp", lambda: tp_runs(two_d=False)),
             ("megatron", lambda: megatron_runs(
                 lambda: (dist.group.WORLD, rank, world, dist.group.WORLD))),

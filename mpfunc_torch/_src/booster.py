@@ -33,6 +33,7 @@ def boost(
     process_group: Any = None,
     fp8_amax_group: Any = None,
     device: str | None = None,
+    step_chunks: int = 1,
 ) -> tuple[AmpModel, AmpOptimizer, AmpCriterion | None, Any, Any]:
     """``Booster(mixed_precision=...).boost(...)`` as one function.
 
@@ -54,6 +55,8 @@ def boost(
       fp8_amax_group: ``"fp8"`` only: the data-parallel group(s) the fp8 amaxes are
         reduced over (see `convert_to_amp`).
       device: ``"cpu"``/``"cuda"`` to assert where the model runs, or None.
+      step_chunks: with master weights, step the optimizer in chunks to save memory
+        (see `convert_to_amp`).
 
     Returns:
       ``(model, optimizer, criterion, dataloader, lr_scheduler)``.
@@ -87,6 +90,7 @@ def boost(
     model, optimizer, criterion = convert_to_amp(
         model, optimizer, criterion, mixed_precision=mixed_precision,
         process_group=process_group, fp8_amax_group=fp8_amax_group, device=device,
+        step_chunks=step_chunks,
     )
     return model, optimizer, criterion, dataloader, lr_scheduler
 

@@ -154,9 +154,14 @@ class LossScaler:
         """Whether the scale can be < 1, where unscaling multiplies by more than 1 and can
         turn a finite gradient into an inf: gradients must then be checked after
         unscaling too."""
+        return self.smallest_scale < 1.0
+
+    @property
+    def smallest_scale(self) -> float:
+        """The smallest scale this scaler can reach (a host number, from its config)."""
         if self.kind == "dynamic":
-            return self.config.may_go_below_one
-        return self._static < 1.0
+            return min(self.config.min_scale, self.config.initial_scale)
+        return self._static
 
     def inv_scale(self) -> torch.Tensor:
         """``1 / scale``, correctly rounded in float32 as on the JAX side (a new tensor)."""

@@ -14,7 +14,9 @@ from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.fp8_convert import convert_to_fp8
 from mpfunc_torch._src.master_weights import (
+    PER_PARAM_OPTIMIZERS,
     follow_model_loads,
+    has_stepped,
     keep_half_masters,
     make_masters,
 )
@@ -137,6 +139,7 @@ def convert_to_amp(
     fp8_amax_group: Any = None,
     device: str | torch.device | None = None,
     is_norm: Callable[[str, nn.Module], bool] | None = None,
+    step_chunks: int = 1,
     **config: Any,
 ) -> tuple[AmpModel, AmpOptimizer, AmpCriterion | None]:
     """Converts a model, its optimizer and its loss to mixed precision.
@@ -208,6 +211,22 @@ def convert_to_amp(
         that stay float32 where the mode keeps norms in float32 (apex O2,
         ``keep_batchnorm_fp32=True``); default `is_norm_module` (torch's norms and
         classes named ``*Norm``, such as HuggingFace's ``LlamaRMSNorm``).
+      step_chunks: with float32 master weights (naive, apex O2), an int > 1 steps the
+        inner optimizer in about that many chunks of equal size (a larger tensor is a
+        chunk of its own): each chunk's half grads are copied into float32 master grads,
+        unscaled, stepped and freed before the next, so only one chunk's float32 grads
+        exist at a time. With Adam the step then peaks at 16 + 4 / step_chunks
+        bytes/param (plus the largest tensor's float32 grad where it is bigger than a
+        chunk) instead of 18. The result is bit for bit that of one step; the check
+        that decides the skip reads the half grads, before any chunk steps. Costs: the
+        inner optimizer's ``step`` runs once per chunk (its own and torch's global step
+        hooks fire per chunk), and the master grads are never all alive (call
+        `AmpOptimizer.unscale_` or ``clip_grad_norm`` before ``step`` to have them all,
+        which makes that step unchunked). Needs a ``torch.optim`` optimizer that updates
+        each param from its own state (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop,
+        Rprop, Adagrad, Adadelta, ASGD, Adafactor, Muon), one loss, and neither the
+        ``clip_grad`` nor the ``log_num_zeros_in_grad`` key (both need every float32
+        grad at once). Default 1: one step over all params.
       **config: the mode's keys (above).
 
     Returns:
@@ -217,6 +236,7 @@ def convert_to_amp(
     Raises:
       ValueError: unknown mode, opt level or config key (the message lists the valid
         ones), a value out of range (named as you spelled the key), inconsistent config,
+        ``step_chunks > 1`` where it does not apply (see above),
         a half-precision model where float32 is needed, an optimizer that already has
         state, or one that holds none of the model's params.
       TypeError: a value or ``process_group`` of the wrong type.
@@ -280,7 +300,7 @@ def convert_to_amp(
             refuse_data_parallel_wrapper(model, plan)
         _check_fsdp_units(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
         if plan.master_weights:
-            if any(len(opt.state) > 0 for opt in optimizers):
+            if any(has_stepped(opt) for opt in optimizers):
                 raise ValueError("`optimizer` already has state; convert it to master "
                                  "weights before its first step.")
             masters = make_masters(optimizers)
@@ -290,16 +310,17 @@ def convert_to_amp(
     if plan.enabled and plan.fp8_recipe is not None:
         convert_to_fp8(model, plan.fp8_recipe, process_group=amax_groups or None)
     _refuse_broken_fused_sgd(optimizers, masters)
+    _check_step_chunks(step_chunks, plan, optimizers, masters)
     if plan.verbose:
         print(f"mpfunc_torch.convert_to_amp: {plan.describe()}")
     amp_model = AmpModel(model, plan, dev.type)
     first = AmpOptimizer(optimizers[0], plan, device=dev, masters=masters,
-                         process_groups=groups)
+                         process_groups=groups, step_chunks=step_chunks)
     shared = first._shared
     shared.n = len(optimizers)
     amp_opts = [first] + [
         AmpOptimizer(opt, plan, device=dev, masters=masters, process_groups=groups,
-                     shared=shared)
+                     shared=shared, step_chunks=step_chunks)
         for opt in optimizers[1:]
     ]
     pairs = [pair for opt in amp_opts for pair in opt._pairs]
@@ -310,3 +331,28 @@ def convert_to_amp(
     out_opt = amp_opts if isinstance(optimizer, list | tuple) else amp_opts[0]
     return amp_model, out_opt, amp_crit
 
+
+def _check_step_chunks(step_chunks: Any, plan: Any, optimizers: list, masters: Any) -> None:
+    if isinstance(step_chunks, bool) or not isinstance(step_chunks, int):
+        raise TypeError(f"`step_chunks` must be an int >= 1, got "
+                        f"{type(step_chunks).__name__} {step_chunks!r}.")
+    if step_chunks < 1:
+        raise ValueError(f"`step_chunks` must be >= 1, got {step_chunks}.")
+    if step_chunks == 1:
+        return
+    where = f"`step_chunks={step_chunks}`"
+    if not masters:
+        raise ValueError(f"{where} chunks the float32 master grads, but {plan.describe()} "
+                         "keeps no master weights; it applies to mode='naive' and apex O2.")
+    for key, value in (("num_losses", plan.num_losses > 1), ("clip_grad", plan.clip_grad),
+                       ("log_num_zeros_in_grad", plan.log_num_zeros_in_grad)):
+        if value:
+            raise ValueError(f"{where} cannot be combined with `{key}`, which needs every "
+                             "float32 master grad at once; leave one of them out.")
+    for opt in optimizers:
+        if type(opt) not in PER_PARAM_OPTIMIZERS:
+            names = ", ".join(c.__name__ for c in PER_PARAM_OPTIMIZERS)
+            raise ValueError(f"{where} steps the optimizer once per chunk, which gives "
+                             "one step's result only for an optimizer that updates each "
+                             f"param from its own state ({names}); got "
+                             f"{type(opt).__module__}.{type(opt).__name__}.")

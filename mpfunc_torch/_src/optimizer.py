@@ -3,6 +3,7 @@ around a torch optimizer."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -24,12 +25,16 @@ from mpfunc_torch._src.grads import (
 )
 from mpfunc_torch._src.loss_scale import LossScaler, SharedScale
 from mpfunc_torch._src.master_weights import (
+    check_half_grads_,
+    chunks_of_size,
     copy_grads_to_masters_,
     copy_masters_to_model_,
     follow_model_writes_,
     largest_first,
     model_versions,
     release_master_grads_,
+    split_for_chunked_step_,
+    step_in_chunks_,
     swap_in_masters_,
 )
 from mpfunc_torch._src.sharding import mesh_groups
@@ -74,6 +79,8 @@ class AmpOptimizer(WrappedOptimizer):
     With master weights, the model's half-precision ``.grad`` are released once copied
     into the float32 master grads (at `unscale_`), and those are released after `step`:
     read gradients between `unscale_` and `step`, on ``optimizer.param_groups``' params.
+    With ``step_chunks > 1`` (see `convert_to_amp`) and no `unscale_` before it, `step`
+    checks the half grads, then makes, steps and frees the master grads chunk by chunk.
 
     Examples:
       >>> import torch, mpfunc_torch
@@ -98,6 +105,7 @@ class AmpOptimizer(WrappedOptimizer):
         masters: dict[int, torch.Tensor] | None = None,
         process_groups: tuple = (),
         shared: SharedScale | None = None,
+        step_chunks: int = 1,
     ):
         super().__init__(optimizer)  # the inner optimizer's groups and state, own hooks
         self.plan = plan
@@ -115,6 +123,7 @@ class AmpOptimizer(WrappedOptimizer):
         shared.members.append(self)
         self._scalers = shared.scalers
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._step_chunks = step_chunks  # validated by convert_to_amp
         self._stage = _READY
         self._last = "init"  # the last call that ended a step: for error messages
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
@@ -290,6 +299,29 @@ class AmpOptimizer(WrappedOptimizer):
             self._found_inf_per_loss[0].copy_(found)
         self._stage = _UNSCALED
 
+    def _inv_scale_or_none(self) -> torch.Tensor | None:
+        scaler = self._scalers[0]
+        return None if scaler.kind == "none" else scaler.inv_scale()
+
+    def _check_for_chunks(self, found: torch.Tensor) -> tuple[list, list]:
+        """`step_chunks > 1`: `unscale_`'s check, made on the half grads without copying
+        them (`check_half_grads_`); the grads that exist already (no half source) are
+        unscaled here. Returns `split_for_chunked_step_`'s (dense pairs, ready params)."""
+        found.zero_()
+        dense, ready = split_for_chunked_step_(self._copy_order, self._owned)
+        coalesce_sparse_(ready)
+        inv = self._inv_scale_or_none()
+        grads = grads_of(ready)
+        if inv is not None:
+            fused.unscale_and_check_(grads, found, inv)
+        if inv is None or self._scalers[0].may_go_below_one:
+            check_(grads, found)
+        check_half_grads_([p.grad for p, _ in dense], found, inv,
+                          self._scalers[0].smallest_scale)
+        all_reduce_found_inf_(found, self._groups)
+        self._found_inf_per_loss[0].copy_(found)
+        return dense, ready
+
     def backward_done(self) -> None:
         """Says that the scaled backward of this step ran outside this optimizer.
 
@@ -363,23 +395,34 @@ class AmpOptimizer(WrappedOptimizer):
             grad_scale = scaler.scale if scaler.kind != "none" else None
             fused.step_with_found_inf_(self.optimizer, grad_scale, found)
         else:
-            if self._stage != _UNSCALED:
-                self.unscale_()
-            if self.plan.clip_grad:
-                self.grad_norm = self.clip_grad_norm(self.plan.clip_grad)
-            if self.plan.log_num_zeros_in_grad:
-                self.num_zeros_in_grad = global_zero_count(
-                    self._owned, process_group=self._clip_groups, mark_sources=self._sources)
-            if self._fused and not host_skip:
-                fused.step_with_found_inf_(self.optimizer, None, found)
-                copy_masters_to_model_(self._pairs)
-            elif not found.item():  # the one host read of a non-fused step
-                if self._fused:
-                    fused.step_with_found_inf_(self.optimizer, None, found)
+            chunked = self._step_chunks > 1 and self._stage == _BACKWARD
+            if chunked:
+                dense, ready = self._check_for_chunks(found)
+            else:
+                if self._stage != _UNSCALED:
+                    self.unscale_()
+                if self.plan.clip_grad:
+                    self.grad_norm = self.clip_grad_norm(self.plan.clip_grad)
+                if self.plan.log_num_zeros_in_grad:
+                    self.num_zeros_in_grad = global_zero_count(
+                        self._owned, process_group=self._clip_groups,
+                        mark_sources=self._sources)
+            if self._fused:
+                inner = functools.partial(fused.step_with_found_inf_, self.optimizer, None,
+                                          found)
+            else:
+                inner = self.optimizer.step
+            # a fused optimizer skips on the device; otherwise the one host read
+            if (self._fused and not host_skip) or not found.item():
+                if chunked:
+                    step_in_chunks_(chunks_of_size(dense, self._step_chunks), ready,
+                                    self._inv_scale_or_none(), found, inner)
                 else:
-                    self.optimizer.step()
+                    inner()
                 copy_masters_to_model_(self._pairs)
             else:
+                for p, _ in dense if chunked else ():
+                    p.grad = None
                 _mark_step_called(self.optimizer)
         stepped = found == 0
         if len(self._scalers) == 1:
