@@ -282,3 +282,58 @@ def test_boost_passes_step_chunks():
     _, opt, *_ = mpfunc_torch.boost(net, torch.optim.Adam(net.parameters()),
                                     mixed_precision="fp16_naive", step_chunks=3)
     assert opt._step_chunks == 3
+
+
+def test_chunks_with_two_optimizers_a_scheduler_and_hooks():
+    # Two optimizers sharing one scale, an LR scheduler on each and a step hook on the
+    # wrapper: the chunked run equals the unchunked one, the wrapper's hooks fire once
+    # per step, and torch's scheduler sees a correctly ordered loop (no warning; the
+    # suite turns warnings into errors).
+    out = []
+    for k in (1, 3):
+        net = _mlp()
+        first, rest = list(net[:3].parameters()), list(net[3:].parameters())
+        opts = [torch.optim.AdamW(first, lr=1e-2), torch.optim.SGD(rest, lr=1e-2, momentum=0.9)]
+        model, amp_opts, crit = mpfunc_torch.convert_to_amp(
+            net, opts, torch.nn.MSELoss(), mode="naive", initial_scale=2.0**12,
+            step_chunks=k)
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
+                  for o in amp_opts]
+        fired = []
+        amp_opts[0].register_step_post_hook(lambda *_, _f=fired: _f.append(1))
+        g = torch.Generator().manual_seed(0)
+        flags = []
+        for i in range(5):
+            x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+            for o in amp_opts:
+                o.zero_grad()
+            loss = crit(model(x), y)
+            amp_opts[0].backward(loss * (float("inf") if i == 2 else 1.0))
+            flags.append([bool(o.step()) for o in amp_opts])
+            for s in scheds:
+                s.step()
+        assert fired == [1] * 5
+        out.append((flags, [p.detach().clone() for p in net.parameters()],
+                    [s.get_last_lr() for s in scheds], float(amp_opts[0].loss_scale)))
+    assert out[0][0] == out[1][0] and out[0][0][2] == [False, False]
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+    assert out[0][2:] == out[1][2:]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_chunks_with_gradient_accumulation(set_to_none):
+    out = []
+    for k in (1, 4):
+        net = _mlp()
+        model, opt, crit = mpfunc_torch.convert_to_amp(
+            net, torch.optim.Adam(net.parameters(), lr=1e-2), torch.nn.MSELoss(),
+            mode="apex", opt_level="O2", verbosity=0, step_chunks=k)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=set_to_none)
+            for _ in range(3):  # three micro-batches per step
+                x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+                opt.backward(crit(model(x), y) / 3)
+            assert bool(opt.step())
+        out.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*out))
