@@ -341,3 +341,74 @@ def test_every_mode_under_shard_map_dp_tp_with_global_clipping(mode, cfg):
         else:
             assert np.asarray(decision).all() and not same
     assert np.isfinite(losses).all() and int(state.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_naive_clip_grad_and_zero_count_keys_are_global_under_shard_map(check_vma):
+    # convert_to_amp's own clip_grad and log_num_zeros_in_grad keys with axis_name: the
+    # norm and the count are the whole model's on every device (specs= tells them how
+    # the gradients are sharded when the varying-axes typing is off), so DP + TP
+    # training equals the unsharded run with the same keys.
+    axes = ("data", "model")
+    keys = dict(mode="naive", initial_scale=2.0**12, clip_grad=MAX_NORM,
+                log_num_zeros_in_grad=True)
+    batches = []
+    for x, y in data(4):
+        x = x.copy()
+        x[:, :3] = 0.0  # w1's first 3 rows get exactly-zero gradients: 3 x H zeros
+        batches.append((x, y))
+
+    ref = mpfunc.convert_to_amp(forward, lenient(optax.adam(1e-2)), **keys)
+    params = ref.cast_params(init_params())
+    state = ref.optimizer.init(params)
+
+    @jax.jit
+    def ref_step(params, state, x, y):
+        def loss_fn(p):
+            return mpfunc.scale_loss(jnp.mean(jnp.square(ref.apply_fn(p, x) - y)), state)
+
+        g = jax.grad(loss_fn)(params)
+        u, state = ref.optimizer.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    ref_zeros = []
+    for x, y in batches:
+        params, state = ref_step(params, state, x, y)
+        ref_zeros.append(int(mpfunc.scale_metrics(state)["num_zeros_in_grad"]))
+    assert all(z >= 3 * H for z in ref_zeros)
+
+    mesh = mesh_2d()
+    amp = mpfunc.convert_to_amp(sharded_forward, lenient(optax.adam(1e-2)), axis_name=axes,
+                                specs=None if check_vma else SPECS, **keys)
+    sparams = place(amp.cast_params(init_params()), mesh)
+    state_specs = mpfunc.state_sharding(amp.optimizer, SPECS)
+    sstate = jax.jit(jax.shard_map(amp.optimizer.init, mesh=mesh, in_specs=(SPECS,),
+                                   out_specs=state_specs, check_vma=check_vma))(sparams)
+
+    def step(params, state, x, y):
+        def loss_fn(p):
+            loss = jax.lax.pmean(jnp.mean(jnp.square(amp.apply_fn(p, x) - y)), "data")
+            return mpfunc.scale_loss(loss, state)
+
+        g = jax.grad(loss_fn)(params)
+        if not check_vma:  # without the typing, the data-parallel mean is explicit
+            g = jax.lax.pmean(g, "data")
+        u, state = amp.optimizer.update(g, state, params)
+        zeros = mpfunc.scale_metrics(state)["num_zeros_in_grad"]
+        return optax.apply_updates(params, u), state, jnp.broadcast_to(zeros, (1, 1))
+
+    step = jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=(SPECS, state_specs, P("data"), P("data")),
+        out_specs=(SPECS, state_specs, P("data", "model")), check_vma=check_vma))
+    for (x, y), want in zip(batches, ref_zeros):
+        sparams, sstate, zeros = step(sparams, sstate, x, y)
+        assert (np.asarray(zeros) == want).all(), (np.asarray(zeros), want)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(sparams[k], np.float32),
+                                   np.asarray(params[k], np.float32), rtol=2e-3, atol=2e-4)
+
+
+def test_convert_to_amp_specs_needs_axis_name():
+    with pytest.raises(ValueError, match="`specs` says how the gradients are sharded"):
+        mpfunc.convert_to_amp(forward, optax.sgd(0.1), mode="naive", clip_grad=1.0,
+                              specs=SPECS)

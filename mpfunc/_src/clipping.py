@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 
 from mpfunc._src.distributed import _varying_axes, check_axis_name
 
-__all__ = ["clip_by_global_norm", "global_norm"]
+__all__ = ["clip_by_global_norm", "global_norm", "sharded_sum"]
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -118,16 +118,25 @@ def global_norm(tree: Any, axis_name: AxisName = None, *, specs: Any = None) -> 
       >>> float(mpfunc.global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])}))
       5.0
     """
+    leaves = jax.tree.leaves(tree)
+    sq = [jnp.sum(jnp.square(x.astype(jnp.float32))) if _is_float(x) else None
+          for x in leaves]
+    return jnp.sqrt(sharded_sum(sq, tree, axis_name, specs, jnp.float32))
+
+
+def sharded_sum(per_leaf: list, tree: Any, axis_name: AxisName, specs: Any,
+                dtype: Any) -> jax.Array:
+    """The sum over the model of one scalar per leaf of ``tree`` (None: skipped), each
+    ``psum``-med over the axes of ``axis_name`` its leaf is sharded over (from the
+    varying-axes typing, or ``specs``), so a replicated leaf counts once: `global_norm`'s
+    reduction, shared with `mpfunc.count_zeros`. Raises as `global_norm` does."""
     axis_name = check_axis_name(axis_name)
     leaves = jax.tree.leaves(tree)
     if specs is not None and axis_name is None:
         raise ValueError("`specs` says how leaves are sharded over mesh axes; pass the "
                          "axes to reduce over as `axis_name` too (e.g. axis_name='model').")
-    sq = [jnp.sum(jnp.square(x.astype(jnp.float32))) if _is_float(x) else None
-          for x in leaves]
     if axis_name is None:
-        total = sum((s for s in sq if s is not None), jnp.zeros((), jnp.float32))
-        return jnp.sqrt(total)
+        return sum((s for s in per_leaf if s is not None), jnp.zeros((), dtype))
     axes = _axes(axis_name)
     if specs is not None:
         leaf_axes = [_spec_axes(s) for s in _leaf_specs(specs, tree)]
@@ -142,15 +151,15 @@ def global_norm(tree: Any, axis_name: AxisName = None, *, specs: Any = None) -> 
         )
     # One psum per distinct set of axes: leaves sharded alike are summed locally first.
     groups: dict[tuple, jax.Array] = {}
-    for s, la in zip(sq, leaf_axes):
+    for s, la in zip(per_leaf, leaf_axes):
         if s is None:
             continue
         key = tuple(a for a in axes if a in la)
         groups[key] = groups[key] + s if key in groups else s
-    total = jnp.zeros((), jnp.float32)
+    total = jnp.zeros((), dtype)
     for key, s in groups.items():
         total = total + (jax.lax.psum(s, key) if key else s)
-    return jnp.sqrt(total)
+    return total
 
 
 def clip_by_global_norm(

@@ -14,6 +14,7 @@ import optax
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc._src.autocast import autocast, half_model
+from mpfunc._src.clipping import clip_by_global_norm, sharded_sum
 from mpfunc._src.distributed import check_axis_name
 from mpfunc._src.fp8_convert import fp8_mode_apply
 from mpfunc._src.loss_scale import _scale_transform, as_transformation
@@ -45,8 +46,15 @@ class ZeroCountState(NamedTuple):
     num_zeros_in_grad: jax.Array
 
 
-def count_zeros() -> optax.GradientTransformation:
-    """An identity link that records the number of zero gradient elements (int32)."""
+def count_zeros(axis_name: Any = None, *, specs: Any = None) -> optax.GradientTransformation:
+    """An identity link that records the number of zero gradient elements (int32).
+
+    Inside ``shard_map``, give the mesh axes as ``axis_name``: each leaf's count is then
+    ``psum``-med over the axes it is sharded over and a replicated leaf counts once (as
+    `mpfunc.global_norm` sums squares; ``specs`` as there, for ``check_vma=False``), so
+    every device records the count of the whole model, as Megatron reduces it.
+    """
+    axis_name = check_axis_name(axis_name)
 
     def init_fn(params):
         del params
@@ -54,12 +62,10 @@ def count_zeros() -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del params, state
-        n = sum(
-            (jnp.sum(x == 0, dtype=jnp.int32) for x in jax.tree_util.tree_leaves(updates)
-             if jnp.issubdtype(x.dtype, jnp.floating)),
-            jnp.zeros((), jnp.int32),
-        )
-        return updates, ZeroCountState(n)
+        counts = [jnp.sum(x == 0, dtype=jnp.int32) if jnp.issubdtype(x.dtype, jnp.floating)
+                  else None for x in jax.tree_util.tree_leaves(updates)]
+        return updates, ZeroCountState(
+            sharded_sum(counts, updates, axis_name, specs, jnp.int32))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -104,6 +110,7 @@ def convert_to_amp(
     mixed_precision: str | MixedPrecisionConfig | None = None,
     is_norm: Callable[[tuple, Any], bool] = is_norm_param,
     axis_name: Any = None,
+    specs: Any = None,
     **config: Any,
 ) -> AmpSetup:
     """Sets up a mixed-precision train step: the JAX mirror of ``mpfunc_torch.convert_to_amp``.
@@ -150,7 +157,13 @@ def convert_to_amp(
         object such as ``mpfunc.FP16NaiveMixedPrecision(hysteresis=3)`` (hashable, so it
         can be a static ``jit`` argument). Each means exactly the same mode and keys.
       is_norm: ``(path, leaf) -> bool`` marking normalisation params (O2).
-      axis_name: mesh axes for the finite check under ``shard_map`` (a name or a tuple).
+      axis_name: mesh axes under ``shard_map`` (a name or a tuple): the finite check is
+        reduced over them, and so are the ``clip_grad`` norm and the
+        ``log_num_zeros_in_grad`` count (each leaf over the axes it is sharded over, a
+        replicated leaf counted once; see `mpfunc.global_norm`).
+      specs: with ``shard_map(check_vma=False)``, the params' ``PartitionSpec`` pytree
+        (their ``in_specs``), which tells the norm and the count how each gradient is
+        sharded; not needed with ``check_vma=True`` (the default).
       **config: the mode's keys (see ``mpfunc_torch.convert_to_amp``).
 
     Returns:
@@ -177,6 +190,10 @@ def convert_to_amp(
                         "Use the default `mpfunc.is_norm_param` or e.g. "
                         "`lambda path, leaf: 'ln' in jax.tree_util.keystr(path)`.")
     axis_name = check_axis_name(axis_name)
+    if specs is not None and axis_name is None:
+        raise ValueError("`specs` says how the gradients are sharded over mesh axes, for "
+                         "the clip_grad norm and the zero count under shard_map; pass "
+                         "those axes as `axis_name` too, or leave `specs` out.")
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
     if plan.num_losses != 1:
         raise ValueError(
@@ -229,9 +246,10 @@ def convert_to_amp(
 
     links = []
     if plan.log_num_zeros_in_grad:
-        links.append(count_zeros())
-    if plan.clip_grad:
-        links.append(optax.clip_by_global_norm(plan.clip_grad))
+        links.append(count_zeros(axis_name, specs=specs))
+    if plan.clip_grad:  # under plain jit the norm is global already: optax's transform
+        links.append(optax.clip_by_global_norm(plan.clip_grad) if axis_name is None else
+                     clip_by_global_norm(plan.clip_grad, axis_name=axis_name, specs=specs))
     links.append(optimizer)
     inner = optax.chain(*links) if len(links) > 1 else optimizer
     if plan.master_weights:
