@@ -114,7 +114,8 @@ def predicted_step_peak(name: str, net: torch.nn.Module, step_chunks: int) -> fl
     2 + 2 + 4 master + 4 master grad + 8; mpfunc: 18 + the whole-tensor term; with
     ``step_chunks``: 2 half param + 4 master + 8 state, plus, at the worst chunk k,
     2 per half grad not yet copied (chunk k's included) + 4 per element of chunk k."""
-    from mpfunc_torch._src.master_weights import chunks_of_size, largest_first
+    from mpfunc_torch._src.chunked_step import chunks_of_size
+    from mpfunc_torch._src.master_weights import largest_first
 
     n = sum(p.numel() for p in net.parameters())
     if name == "fp32":

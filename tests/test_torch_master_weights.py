@@ -335,8 +335,10 @@ def test_step_peak_is_18_bytes_per_param_plus_one_tensor(mode, cfg):
 
 
 @pytest.mark.parametrize("k", [4, 8])
-@pytest.mark.parametrize("mode, cfg", MASTER_MODES, ids=master_ids)
+@pytest.mark.parametrize("mode, cfg", MASTER_MODES + [("naive", dict(MASTER_MODES[0][1], clip_grad=1e-3))],
+                         ids=master_ids + ["naive-clip"])
 def test_chunked_step_peak_is_16_plus_4_over_k_bytes_per_param(mode, cfg, k):
+    # With clip_grad the norms pass makes and frees the chunks' float32 grads too.
     # step_chunks=k: 2 half param + 2 half grad (those not copied yet) + 4 master + 8 Adam
     # + 4 x one chunk's float32 grads (at most n / k elements, or the largest tensor).
     peak, n, largest = _step_peak_bytes(mode, cfg, step_chunks=k)

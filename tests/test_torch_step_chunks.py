@@ -1,5 +1,5 @@
 """``convert_to_amp(..., step_chunks=k)``: the master-weight step taken chunk by chunk
-(`mpfunc_torch._src.master_weights.step_in_chunks_`) gives bit for bit the trajectory of
+(`mpfunc_torch._src.chunked_step`) gives bit for bit the trajectory of
 one step over all params, for every optimizer it accepts, with overflows injected."""
 
 import inspect
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mpfunc_torch
-from mpfunc_torch._src.master_weights import (
+from mpfunc_torch._src.chunked_step import (
     PER_PARAM_OPTIMIZERS,
     check_half_grads_,
     chunks_of_size,
@@ -36,7 +36,7 @@ def _optimizer(cls, params, **kw):
     return cls(params, lr=1e-2, **kw)
 
 
-def _run(cls, mode, cfg, k, steps=12, faults=(), **kw):
+def _run(cls, mode, cfg, k, steps=12, faults=(), norms=None, **kw):
     """``steps`` iterations; ``faults`` maps a step to "loss" (an inf loss: every grad
     overflows) or "grad" (a NaN in one gradient). Returns everything that must match."""
     net = _mlp(bias=cls is not torch.optim.Muon)  # Muon steps 2-D params only
@@ -61,6 +61,8 @@ def _run(cls, mode, cfg, k, steps=12, faults=(), **kw):
             list(net.parameters())[-2].grad[1, 2] = float("nan")
         before = len(calls)
         flags.append(bool(opt.step()))
+        if norms is not None:
+            norms.append(opt.grad_norm.clone())
         per_step_calls.append(len(calls) - before)
         scales.append(float(opt.loss_scale))
     return {
@@ -119,6 +121,22 @@ def test_chunked_step_foreach_and_fused(cls, kw, mode, cfg):
     one = _run(cls, mode, cfg, 1, faults=FAULTS, **kw)
     three = _run(cls, mode, cfg, 3, faults=FAULTS, **kw)
     _assert_same(one, three)
+
+
+@pytest.mark.parametrize("kw", [{}, {"fused": True}], ids=["for-loop", "fused"])
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.SGD], ids=lambda c: c.__name__)
+def test_chunked_step_with_clip_grad(cls, kw):
+    # naive's clip_grad key: the norm comes from the chunks (per-tensor norms made and
+    # freed chunk by chunk), so it and every clipped step equal the unchunked ones.
+    cfg = dict(MODES[0][1], clip_grad=0.05)
+    one_norms, four_norms = [], []
+    one = _run(cls, "naive", cfg, 1, faults=FAULTS, norms=one_norms, **kw)
+    four = _run(cls, "naive", cfg, 4, faults=FAULTS, norms=four_norms, **kw)
+    _assert_same(one, four)
+    taken = [n for n, f in zip(one_norms, one["flags"]) if f]
+    assert all(float(n) > 0.05 for n in taken)  # clipping was active on every step taken
+    for a, b, f in zip(one_norms, four_norms, one["flags"]):
+        assert torch.equal(a, b) if f else not torch.isfinite(b)
 
 
 @pytest.mark.parametrize("mode, cfg", MODES, ids=MODE_IDS)
@@ -258,8 +276,6 @@ def test_step_chunks_errors():
         convert(step_chunks=0)
     with pytest.raises(ValueError, match="keeps no master weights; it applies to"):
         convert(mode="torch", step_chunks=2)
-    with pytest.raises(ValueError, match="cannot be combined with `clip_grad`"):
-        convert(step_chunks=2, clip_grad=1.0)
     with pytest.raises(ValueError, match="cannot be combined with `log_num_zeros_in_grad`"):
         convert(step_chunks=2, log_num_zeros_in_grad=True)
     with pytest.raises(ValueError, match="cannot be combined with `num_losses`"):

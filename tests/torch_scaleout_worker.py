@@ -156,15 +156,15 @@ def fsdp_runs(labels):
 
 
 def chunk_runs():
-    """naive and O2 under FSDP2 with ``step_chunks`` 1 and 3 (no clipping: it needs every
-    master grad), an inf in the last rank's shard at the inject step: the chunked step
-    must decide and take every step as the unchunked one, bit for bit."""
+    """naive, O2 and naive with its clip_grad key under FSDP2, with ``step_chunks`` 1 and
+    3, an inf in the last rank's shard at the inject step: the chunked step must decide
+    and take every step as the unchunked one, bit for bit (the clipping norm too)."""
     mesh = mesh_1d()
     rows = slice(rank * tm.BATCH // world, (rank + 1) * tm.BATCH // world)
-    for label in ("naive", "O2"):
+    for label, kw in (("naive", {}), ("O2", {}), ("naive-clip", {"clip_grad": tm.CLIP})):
         for k in (1, 3):
-            net = shard(tm.make_model(), mesh, label)
-            model, opt, crit = convert(net, label, step_chunks=k)
+            net = shard(tm.make_model(), mesh, label.split("-")[0])
+            model, opt, crit = convert(net, label.split("-")[0], step_chunks=k, **kw)
             calls = []
             real = opt.optimizer.step
             opt.optimizer.step = lambda *a, _r=real, _c=calls, **kw: (_c.append(1), _r(*a, **kw))[1]
@@ -173,6 +173,7 @@ def chunk_runs():
                                    inject_params=list(net.blocks[0].fc1.parameters()))
             results[f"{label}-chunks{k}"] = {
                 "report": report, "losses": losses, "skip_exact": skips, "calls": len(calls),
+                "grad_norm": opt.grad_norm,
                 "params": full_state(net, opt),
                 # in param order: a chunked step creates the state in chunk order
                 "snapshot": [local(t).detach().clone() for q in opt._owned

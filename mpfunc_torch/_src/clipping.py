@@ -28,7 +28,7 @@ from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.sharding import is_dtensor, local
 
 __all__ = ["mark_replicated", "replicated_over", "clip_grad_norm_", "global_grad_norm",
-           "clip_grads_with_norm_"]
+           "grad_norms", "clip_grads_with_norm_"]
 
 _ATTR = "_mpfunc_replicated_over"
 
@@ -123,13 +123,43 @@ def _by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.
     return out
 
 
-def _power_sum(grads: Sequence[torch.Tensor], norm_type: float,
+Norms = dict[int, tuple[tuple, torch.Tensor]]  # param index -> ((device, dtype), norm)
+
+
+def grad_norms(params: Sequence[torch.Tensor], norm_type: float,
+               index: Sequence[int] | None = None) -> Norms:
+    """The float32 ``norm_type``-norm of each param's local gradient values, one
+    ``_foreach_norm`` per (device, dtype), keyed by ``index[i]`` (default ``i``). Each
+    norm depends only on its own tensor, so norms computed in parts (as the chunked
+    master-weight step does) are the ones computed all at once."""
+    index = list(range(len(params))) if index is None else list(index)
+    groups: dict[tuple, list] = {}
+    for i, p in zip(index, params):
+        if p.grad is not None:
+            v = _values(p.grad)
+            groups.setdefault((v.device, v.dtype), []).append((i, v))
+    out: Norms = {}
+    for key, items in groups.items():
+        norms = torch._foreach_norm([v for _, v in items], norm_type, dtype=torch.float32)
+        out.update((i, (key, n)) for (i, _), n in zip(items, norms))
+    return out
+
+
+def _by_key(indices: Sequence[int], norms: Norms, device: torch.device) -> list[torch.Tensor]:
+    """The norms of ``indices`` grouped by (device, dtype) in first-seen order, each group
+    stacked on ``device``: the order one ``_foreach_norm`` per group gives."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for i in indices:
+        key, n = norms[i]
+        groups.setdefault(key, []).append(n)
+    return [torch.stack(g).to(device) for g in groups.values()]
+
+
+def _power_sum(indices: Sequence[int], norms: Norms, norm_type: float,
                device: torch.device) -> torch.Tensor:
-    """sum |g|^p over ``grads`` (max |g| for p = inf), float32, on ``device``."""
+    """sum |g|^p over the grads of ``indices`` (max |g| for p = inf), float32."""
     acc = torch.zeros((), dtype=torch.float32, device=device)
-    for group in _by_device_dtype(grads).values():
-        norms = torch._foreach_norm(group, norm_type, dtype=torch.float32)
-        stacked = torch.stack(norms).to(device)
+    for stacked in _by_key(indices, norms, device):
         if math.isinf(norm_type):
             acc = torch.maximum(acc, stacked.max())
         else:
@@ -143,14 +173,16 @@ def _all_reduce(t: torch.Tensor, groups: Sequence[Any], norm_type: float) -> Non
         torch.distributed.all_reduce(t, op=op, group=g)
 
 
-def _distributed_parts(params: list[torch.Tensor], sources: list[torch.Tensor]
-                       ) -> tuple[list[torch.Tensor], list[tuple[Any, list[torch.Tensor]]]]:
-    """This rank's gradient values that count, split into plain ones and one list per
-    DTensor mesh; a gradient replicated over a mesh dimension or a marked group counts
-    on the first rank of it only (see the module docstring)."""
-    plain: list[torch.Tensor] = []
-    meshes: list[tuple[Any, list[torch.Tensor]]] = []
-    for p, src in zip(params, sources):
+def _distributed_parts(params: list[torch.Tensor], sources: list[torch.Tensor],
+                       counted: Any = None) -> tuple[list[int], list[tuple[Any, list[int]]]]:
+    """The indices of this rank's gradients that count, split into plain ones and one
+    list per DTensor mesh; a gradient replicated over a mesh dimension or a marked group
+    counts on the first rank of it only (see the module docstring). ``counted`` (a set
+    of indices) stands for "has a gradient" where the gradients no longer exist (their
+    norms were taken earlier); their placements are then the params'."""
+    plain: list[int] = []
+    meshes: list[tuple[Any, list[int]]] = []
+    for i, (p, src) in enumerate(zip(params, sources)):
         g = p.grad
         bucket = plain
         if is_dtensor(p):
@@ -161,14 +193,14 @@ def _distributed_parts(params: list[torch.Tensor], sources: list[torch.Tensor]
             else:
                 bucket = []
                 meshes.append((p.device_mesh, bucket))
-        if g is None:
+        if (i not in counted) if counted is not None else g is None:
             continue
-        if is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
+        if g is not None and is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
             raise ValueError(
                 "a gradient is a DTensor with a Partial placement (not yet reduced over its "
                 f"mesh: {g.placements}); clip after the backward's reductions have run.")
-        if _first_on_replicas(g, replicated_over(p, src)):
-            bucket.append(g)
+        if _first_on_replicas(g if g is not None else p, replicated_over(p, src)):
+            bucket.append(i)
     return plain, meshes
 
 
@@ -186,7 +218,8 @@ def _arguments(params: Iterable[torch.Tensor], process_group: Any, mark_sources:
 
 def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
                      process_group: Any = None,
-                     mark_sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                     mark_sources: Sequence[torch.Tensor] | None = None,
+                     norms: Norms | None = None) -> torch.Tensor:
     """The norm of the gradients of ``params`` over every rank that holds a part of them.
 
     Every rank of the meshes and groups involved must call it with its params in the
@@ -200,6 +233,9 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
         those are found from the gradients.
       mark_sources: for each param, another tensor whose `mark_replicated` marks apply
         too (the model param behind a master weight).
+      norms: the per-param norms (`grad_norms`, keyed by index in ``params``), taken
+        earlier, for gradients that no longer exist (the chunked master-weight step);
+        None: taken here from the ``.grad`` of ``params``.
 
     Returns:
       The total norm, a float32 0-dim tensor on the params' device, equal on every rank.
@@ -208,20 +244,21 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
     groups, params, sources, device = _arguments(params, process_group, mark_sources)
     if not params:
         return torch.zeros((), dtype=torch.float32)
+    counted = None if norms is None else set(norms)
+    if norms is None:
+        norms = grad_norms(params, norm_type)
     if not groups and not any(is_dtensor(p) or replicated_over(p, s)
                               for p, s in zip(params, sources)):
         # One rank holds everything: torch's get_total_norm, computed in float32 (the
         # same bits for float32 gradients; no float16 overflow for half ones).
-        values = [_values(p.grad) for p in params if p.grad is not None]
-        norms = [n.to(device) for group in _by_device_dtype(values).values()
-                 for n in torch._foreach_norm(group, norm_type, dtype=torch.float32)]
-        if not norms:
+        stacked = _by_key(sorted(norms), norms, device)
+        if not stacked:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    plain, meshes = _distributed_parts(params, sources)
-    total = _power_sum([_values(g) for g in plain], norm_type, device)
+        return torch.linalg.vector_norm(torch.cat(stacked), norm_type)
+    plain, meshes = _distributed_parts(params, sources, counted)
+    total = _power_sum(plain, norms, norm_type, device)
     for mesh, items in meshes:
-        part = _power_sum([_values(g) for g in items], norm_type, device)
+        part = _power_sum(items, norms, norm_type, device)
         _all_reduce(part, [mesh.get_group(d) for d in range(mesh.ndim)], norm_type)
         total = torch.maximum(total, part) if math.isinf(norm_type) else total + part
     _all_reduce(total, groups, norm_type)
@@ -253,10 +290,10 @@ def global_zero_count(params: Iterable[torch.Tensor], *, process_group: Any = No
     if not params:
         return torch.zeros((), dtype=torch.int64)
     plain, meshes = _distributed_parts(params, sources)
-    total = _zeros(plain, device)
+    total = _zeros([params[i].grad for i in plain], device)
     sum_op = torch.distributed.ReduceOp.SUM
     for mesh, items in meshes:
-        part = _zeros(items, device)
+        part = _zeros([params[i].grad for i in items], device)
         for d in range(mesh.ndim):
             torch.distributed.all_reduce(part, op=sum_op, group=mesh.get_group(d))
         total = total + part

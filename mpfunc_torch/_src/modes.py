@@ -11,10 +11,10 @@ from torch import nn
 
 from _mpfunc_common.amp_config import resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
+from mpfunc_torch._src.chunked_step import PER_PARAM_OPTIMIZERS
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.fp8_convert import convert_to_fp8
 from mpfunc_torch._src.master_weights import (
-    PER_PARAM_OPTIMIZERS,
     follow_model_loads,
     has_stepped,
     keep_half_masters,
@@ -214,7 +214,7 @@ def convert_to_amp(
       step_chunks: with float32 master weights (naive, apex O2), an int > 1 steps the
         inner optimizer in about that many chunks of equal size (a larger tensor is a
         chunk of its own): each chunk's half grads are copied into float32 master grads,
-        unscaled, stepped and freed before the next, so only one chunk's float32 grads
+        unscaled, clipped, stepped and freed before the next, so only one chunk's float32 grads
         exist at a time. With Adam the step then peaks at 16 + 4 / step_chunks
         bytes/param (plus the largest tensor's float32 grad where it is bigger than a
         chunk) instead of 18. The result is bit for bit that of one step; the check
@@ -224,9 +224,10 @@ def convert_to_amp(
         `AmpOptimizer.unscale_` or ``clip_grad_norm`` before ``step`` to have them all,
         which makes that step unchunked). Needs a ``torch.optim`` optimizer that updates
         each param from its own state (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop,
-        Rprop, Adagrad, Adadelta, ASGD, Adafactor, Muon), one loss, and neither the
-        ``clip_grad`` nor the ``log_num_zeros_in_grad`` key (both need every float32
-        grad at once). Default 1: one step over all params.
+        Rprop, Adagrad, Adadelta, ASGD, Adafactor, Muon), one loss, and no
+        ``log_num_zeros_in_grad``. The ``clip_grad`` key works: the norm is taken from
+        the chunks in a first pass (one more copy of the half grads). Default 1: one
+        step over all params.
       **config: the mode's keys (above).
 
     Returns:
@@ -344,11 +345,11 @@ def _check_step_chunks(step_chunks: Any, plan: Any, optimizers: list, masters: A
     if not masters:
         raise ValueError(f"{where} chunks the float32 master grads, but {plan.describe()} "
                          "keeps no master weights; it applies to mode='naive' and apex O2.")
-    for key, value in (("num_losses", plan.num_losses > 1), ("clip_grad", plan.clip_grad),
+    for key, value in (("num_losses", plan.num_losses > 1),
                        ("log_num_zeros_in_grad", plan.log_num_zeros_in_grad)):
         if value:
             raise ValueError(f"{where} cannot be combined with `{key}`, which needs every "
-                             "float32 master grad at once; leave one of them out.")
+                             "unscaled float32 master grad at once; leave one of them out.")
     for opt in optimizers:
         if type(opt) not in PER_PARAM_OPTIMIZERS:
             names = ", ".join(c.__name__ for c in PER_PARAM_OPTIMIZERS)

@@ -10,10 +10,18 @@ import torch
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import checkpoint, fused
+from mpfunc_torch._src.chunked_step import (
+    check_half_grads_,
+    chunks_of_size,
+    norms_in_chunks,
+    split_for_chunked_step_,
+    step_in_chunks_,
+)
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
     global_grad_norm,
     global_zero_count,
+    grad_norms,
 )
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.grads import (
@@ -25,16 +33,12 @@ from mpfunc_torch._src.grads import (
 )
 from mpfunc_torch._src.loss_scale import LossScaler, SharedScale
 from mpfunc_torch._src.master_weights import (
-    check_half_grads_,
-    chunks_of_size,
     copy_grads_to_masters_,
     copy_masters_to_model_,
     follow_model_writes_,
     largest_first,
     model_versions,
     release_master_grads_,
-    split_for_chunked_step_,
-    step_in_chunks_,
     swap_in_masters_,
 )
 from mpfunc_torch._src.sharding import mesh_groups
@@ -322,6 +326,19 @@ class AmpOptimizer(WrappedOptimizer):
         self._found_inf_per_loss[0].copy_(found)
         return dense, ready
 
+    def _clip_in_chunks(self, chunks: list, ready: list) -> tuple[float, torch.Tensor]:
+        """``clip_grad`` with `step_chunks > 1`: the global norm of the unscaled float32
+        grads, from per-tensor norms taken chunk by chunk (`norms_in_chunks`), combined as
+        `clip_grad_norm` combines them; the grads that exist already are clipped here,
+        the chunks as they are stepped. Returns ``(max_norm, total_norm)``."""
+        index_of = {id(q): i for i, q in enumerate(self._owned)}
+        norms = grad_norms(ready, 2.0, [index_of[id(q)] for q in ready])
+        norms.update(norms_in_chunks(chunks, index_of, self._inv_scale_or_none(), 2.0))
+        self.grad_norm = global_grad_norm(self._owned, 2.0, process_group=self._clip_groups,
+                                          mark_sources=self._sources, norms=norms)
+        clip_grads_with_norm_(ready, float(self.plan.clip_grad), self.grad_norm)
+        return float(self.plan.clip_grad), self.grad_norm
+
     def backward_done(self) -> None:
         """Says that the scaled backward of this step ran outside this optimizer.
 
@@ -398,6 +415,8 @@ class AmpOptimizer(WrappedOptimizer):
             chunked = self._step_chunks > 1 and self._stage == _BACKWARD
             if chunked:
                 dense, ready = self._check_for_chunks(found)
+                chunks = chunks_of_size(dense, self._step_chunks)
+                clip = self._clip_in_chunks(chunks, ready) if self.plan.clip_grad else None
             else:
                 if self._stage != _UNSCALED:
                     self.unscale_()
@@ -415,8 +434,8 @@ class AmpOptimizer(WrappedOptimizer):
             # a fused optimizer skips on the device; otherwise the one host read
             if (self._fused and not host_skip) or not found.item():
                 if chunked:
-                    step_in_chunks_(chunks_of_size(dense, self._step_chunks), ready,
-                                    self._inv_scale_or_none(), found, inner)
+                    step_in_chunks_(chunks, ready, self._inv_scale_or_none(), found, inner,
+                                    clip)
                 else:
                     inner()
                 copy_masters_to_model_(self._pairs)

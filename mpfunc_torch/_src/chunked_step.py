@@ -1,0 +1,179 @@
+"""The master-weight step taken chunk by chunk (``convert_to_amp(..., step_chunks=k)``).
+
+`AmpOptimizer.step` with ``step_chunks > 1`` and no `unscale_` before it:
+
+1. `split_for_chunked_step_`: the pairs whose half grad is dense, and the owned params
+   whose grads exist already (no half source; sparse grads made float32 at once).
+2. `check_half_grads_`: the skip is decided from the half grads, before any float32
+   master grad exists, exactly as the check of the float32 grads would decide it.
+3. With ``clip_grad``, `norms_in_chunks`: the per-tensor norms of the unscaled float32
+   master grads, made and freed chunk by chunk; the global norm is combined from them as
+   `global_grad_norm` combines its own.
+4. `step_in_chunks_`: for each chunk, half grads -> float32 master grads (each half grad
+   freed once copied), unscaled, clipped, stepped by the inner optimizer, freed.
+
+Only one chunk's float32 grads exist at a time: with Adam the step peaks at 16 + 4 / k
+bytes/param instead of 18, and the result is bit for bit that of one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mpfunc_torch._src import fused
+from mpfunc_torch._src.clipping import Norms, clip_grads_with_norm_, grad_norms
+from mpfunc_torch._src.grads import check_
+from mpfunc_torch._src.sharding import local
+
+__all__ = [
+    "PER_PARAM_OPTIMIZERS",
+    "chunks_of_size",
+    "check_half_grads_",
+    "split_for_chunked_step_",
+    "norms_in_chunks",
+    "step_in_chunks_",
+]
+
+Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
+
+
+# torch.optim classes whose step updates each param from its own grad and state only, so
+# that stepping disjoint subsets of the params (the others' grads set to None, which
+# every one of them skips) gives bit for bit the result of one step over all of them.
+PER_PARAM_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in (
+        "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad",
+        "Adadelta", "ASGD", "Adafactor", "Muon")
+    if hasattr(torch.optim, name))
+
+
+def chunks_of_size(pairs: Pairs, n_chunks: int) -> list[list]:
+    """Packs ``pairs`` (largest first) into chunks of at most ``total / n_chunks``
+    elements each (a larger tensor is a chunk of its own), first fit: about
+    ``n_chunks`` chunks, a few more where the sizes do not pack."""
+    total = sum(m.numel() for _, m in pairs)
+    cap = -(-total // n_chunks)
+    chunks: list[list] = []
+    room: list[int] = []
+    for pair in pairs:
+        n = pair[1].numel()
+        for i, r in enumerate(room):
+            if n <= r:
+                chunks[i].append(pair)
+                room[i] -= n
+                break
+        else:
+            chunks.append([pair])
+            room.append(cap - n)
+    return chunks
+
+
+def check_half_grads_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
+                      inv_scale: torch.Tensor | None, smallest_scale: float) -> None:
+    """Raises ``found_inf`` if any half gradient, copied to float32 and multiplied by
+    ``inv_scale`` (None: 1), would be inf/NaN: exactly the check `step` makes on the
+    float32 master grads, without making them.
+
+    One fused check pass over the half grads finds their infs/NaNs. Unscaling can only
+    overflow where ``1 / smallest_scale`` (the smallest scale the scaler can reach, a
+    host number) times the dtype's largest value passes float32's: float16 grads never
+    do unless the scale can fall below ~2e-34, bfloat16 ones whenever it can fall below
+    1. Only then is the largest magnitude of each such grad read too (``aminmax``;
+    rounding is monotonic, so it overflows when any element does).
+    """
+    dense = [local(g) for g in grads]
+    dense = [torch.view_as_real(g) if g.is_complex() else g for g in dense]
+    check_(dense, found_inf)
+    if inv_scale is None:
+        return
+    top = torch.finfo(torch.float32).max
+    risky = [g for g in dense if g.numel() and (
+        smallest_scale <= 0 or torch.finfo(g.dtype).max / smallest_scale >= top / 2)]
+    for g in risky:
+        lo, hi = torch.aminmax(g)
+        peak = torch.maximum(-lo, hi).float() * inv_scale.to(g.device)
+        bad = (~torch.isfinite(peak)).float().to(found_inf.device)
+        torch.maximum(found_inf, bad, out=found_inf)
+
+
+def split_for_chunked_step_(pairs: Pairs, owned: Sequence[torch.Tensor]
+                            ) -> tuple[list, list[torch.Tensor]]:
+    """Before `step_in_chunks_`: returns the pairs whose half grad is dense (to copy
+    chunk by chunk) and the owned params that have a grad already (params without a
+    half source, and masters of sparse half grads, made here as for
+    `copy_grads_to_masters_`)."""
+    dense = []
+    for p, m in pairs:
+        g = p.grad
+        if g is None:
+            m.grad = None
+        elif g.is_sparse:
+            m.grad = g.to(m.dtype).coalesce()
+            p.grad = None
+        else:
+            m.grad = None
+            dense.append((p, m))
+    return dense, [q for q in owned if q.grad is not None]
+
+
+def _make_master_grads_(chunk: Pairs, inv_scale: torch.Tensor | None,
+                        found_inf: torch.Tensor) -> None:
+    """The chunk's half grads -> float32 master grads, unscaled (the same kernel as the
+    unchunked step's); the half grads stay."""
+    for _, m in chunk:
+        m.grad = torch.empty_like(m)
+    if chunk:
+        torch._foreach_copy_([local(m.grad) for _, m in chunk],
+                             [local(p.grad) for p, _ in chunk])
+    if inv_scale is not None and chunk:
+        fused.unscale_and_check_([local(m.grad) for _, m in chunk], found_inf, inv_scale)
+
+
+def norms_in_chunks(chunks: Sequence[Pairs], index_of: dict[int, int],
+                    inv_scale: torch.Tensor | None, norm_type: float) -> Norms:
+    """The `grad_norms` of the unscaled float32 master grads, keyed by ``index_of[id(
+    master)]``, each chunk's grads made and freed in turn (the half grads stay)."""
+    out: Norms = {}
+    scratch = torch.zeros((), dtype=torch.float32,
+                          device=inv_scale.device if inv_scale is not None else None)
+    for chunk in chunks:
+        _make_master_grads_(chunk, inv_scale, scratch)
+        masters = [m for _, m in chunk]
+        out.update(grad_norms(masters, norm_type, [index_of[id(m)] for m in masters]))
+        for m in masters:
+            m.grad = None
+    return out
+
+
+def step_in_chunks_(chunks: Sequence[Pairs], ready: Sequence[torch.Tensor],
+                    inv_scale: torch.Tensor | None, found_inf: torch.Tensor,
+                    step: Any, clip: tuple[float, torch.Tensor] | None = None) -> None:
+    """Steps the masters chunk by chunk: for each chunk, its half grads -> float32 master
+    grads (each half grad freed once copied), unscaled by ``inv_scale`` (None: not
+    scaled); then ``step()`` (the inner optimizer, which skips every param whose grad is
+    None); then those master grads are freed. ``ready`` (owned params whose grads exist
+    and are unscaled already, see `split_for_chunked_step_`) step with the first chunk.
+
+    Only one chunk's float32 grads exist at a time. The caller has checked every grad
+    (`check_half_grads_`) before: the step must not start unless all are finite, or
+    ``step`` must skip on ``found_inf`` itself (a fused optimizer, on the device).
+    """
+    held = [q.grad for q in ready]
+    for q in ready:
+        q.grad = None
+    for i, chunk in enumerate(chunks or [[]]):
+        _make_master_grads_(chunk, inv_scale, found_inf)
+        for p, _ in chunk:
+            p.grad = None
+        if clip is not None:
+            clip_grads_with_norm_([m for _, m in chunk], *clip)
+        for q, g in zip(ready, held):
+            q.grad = g if i == 0 else None
+        step()
+        for _, m in chunk:
+            m.grad = None
+    for q, g in zip(ready, held):
+        q.grad = g
