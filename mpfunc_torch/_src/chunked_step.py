@@ -24,8 +24,13 @@ from typing import Any
 import torch
 
 from mpfunc_torch._src import fused
-from mpfunc_torch._src.clipping import Norms, clip_grads_with_norm_, grad_norms
-from mpfunc_torch._src.grads import check_
+from mpfunc_torch._src.clipping import (
+    Norms,
+    clip_grads_with_norm_,
+    global_grad_norm,
+    grad_norms,
+)
+from mpfunc_torch._src.grads import check_, coalesce_sparse_, grads_of
 from mpfunc_torch._src.sharding import local
 
 __all__ = [
@@ -34,6 +39,8 @@ __all__ = [
     "check_half_grads_",
     "split_for_chunked_step_",
     "norms_in_chunks",
+    "check_for_chunks_",
+    "clip_in_chunks_",
     "step_in_chunks_",
 ]
 
@@ -146,6 +153,42 @@ def norms_in_chunks(chunks: Sequence[Pairs], index_of: dict[int, int],
         for m in masters:
             m.grad = None
     return out
+
+
+def check_for_chunks_(pairs: Pairs, owned: Sequence[torch.Tensor], scaler: Any,
+                      found_inf: torch.Tensor) -> tuple[list, list]:
+    """`AmpOptimizer.unscale_`'s check for the chunked step, made on the half grads
+    without copying them (`check_half_grads_`); the grads that exist already (no half
+    source) are unscaled and checked here. ``found_inf`` is raised, not reduced across
+    ranks. Returns `split_for_chunked_step_`'s (dense pairs, ready params)."""
+    dense, ready = split_for_chunked_step_(pairs, owned)
+    coalesce_sparse_(ready)
+    inv = None if scaler.kind == "none" else scaler.inv_scale()
+    grads = grads_of(ready)
+    if inv is not None:
+        fused.unscale_and_check_(grads, found_inf, inv)
+    if inv is None or scaler.may_go_below_one:
+        check_(grads, found_inf)
+    check_half_grads_([p.grad for p, _ in dense], found_inf, inv, scaler.smallest_scale)
+    return dense, ready
+
+
+def clip_in_chunks_(chunks: Sequence[Pairs], ready: Sequence[torch.Tensor],
+                    owned: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+                    groups: tuple, inv_scale: torch.Tensor | None,
+                    max_norm: float) -> torch.Tensor:
+    """``clip_grad`` for the chunked step: the global 2-norm of the unscaled float32
+    grads of ``owned``, from per-tensor norms taken chunk by chunk (`norms_in_chunks`)
+    and combined as `global_grad_norm` combines its own (over ``groups`` and the DTensor
+    meshes; ``sources`` carry the `mark_replicated` marks). Clips the ``ready`` grads
+    now; `step_in_chunks_` clips each chunk. Returns the total norm."""
+    index_of = {id(q): i for i, q in enumerate(owned)}
+    norms = grad_norms(ready, 2.0, [index_of[id(q)] for q in ready])
+    norms.update(norms_in_chunks(chunks, index_of, inv_scale, 2.0))
+    total = global_grad_norm(owned, 2.0, process_group=groups, mark_sources=sources,
+                             norms=norms)
+    clip_grads_with_norm_(ready, max_norm, total)
+    return total
 
 
 def step_in_chunks_(chunks: Sequence[Pairs], ready: Sequence[torch.Tensor],

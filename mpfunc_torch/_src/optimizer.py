@@ -11,17 +11,15 @@ import torch
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import checkpoint, fused
 from mpfunc_torch._src.chunked_step import (
-    check_half_grads_,
+    check_for_chunks_,
     chunks_of_size,
-    norms_in_chunks,
-    split_for_chunked_step_,
+    clip_in_chunks_,
     step_in_chunks_,
 )
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
     global_grad_norm,
     global_zero_count,
-    grad_norms,
 )
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.grads import (
@@ -307,38 +305,6 @@ class AmpOptimizer(WrappedOptimizer):
         scaler = self._scalers[0]
         return None if scaler.kind == "none" else scaler.inv_scale()
 
-    def _check_for_chunks(self, found: torch.Tensor) -> tuple[list, list]:
-        """`step_chunks > 1`: `unscale_`'s check, made on the half grads without copying
-        them (`check_half_grads_`); the grads that exist already (no half source) are
-        unscaled here. Returns `split_for_chunked_step_`'s (dense pairs, ready params)."""
-        found.zero_()
-        dense, ready = split_for_chunked_step_(self._copy_order, self._owned)
-        coalesce_sparse_(ready)
-        inv = self._inv_scale_or_none()
-        grads = grads_of(ready)
-        if inv is not None:
-            fused.unscale_and_check_(grads, found, inv)
-        if inv is None or self._scalers[0].may_go_below_one:
-            check_(grads, found)
-        check_half_grads_([p.grad for p, _ in dense], found, inv,
-                          self._scalers[0].smallest_scale)
-        all_reduce_found_inf_(found, self._groups)
-        self._found_inf_per_loss[0].copy_(found)
-        return dense, ready
-
-    def _clip_in_chunks(self, chunks: list, ready: list) -> tuple[float, torch.Tensor]:
-        """``clip_grad`` with `step_chunks > 1`: the global norm of the unscaled float32
-        grads, from per-tensor norms taken chunk by chunk (`norms_in_chunks`), combined as
-        `clip_grad_norm` combines them; the grads that exist already are clipped here,
-        the chunks as they are stepped. Returns ``(max_norm, total_norm)``."""
-        index_of = {id(q): i for i, q in enumerate(self._owned)}
-        norms = grad_norms(ready, 2.0, [index_of[id(q)] for q in ready])
-        norms.update(norms_in_chunks(chunks, index_of, self._inv_scale_or_none(), 2.0))
-        self.grad_norm = global_grad_norm(self._owned, 2.0, process_group=self._clip_groups,
-                                          mark_sources=self._sources, norms=norms)
-        clip_grads_with_norm_(ready, float(self.plan.clip_grad), self.grad_norm)
-        return float(self.plan.clip_grad), self.grad_norm
-
     def backward_done(self) -> None:
         """Says that the scaled backward of this step ran outside this optimizer.
 
@@ -414,9 +380,18 @@ class AmpOptimizer(WrappedOptimizer):
         else:
             chunked = self._step_chunks > 1 and self._stage == _BACKWARD
             if chunked:
-                dense, ready = self._check_for_chunks(found)
+                found.zero_()
+                dense, ready = check_for_chunks_(self._copy_order, self._owned,
+                                                 self._scalers[0], found)
+                all_reduce_found_inf_(found, self._groups)
+                self._found_inf_per_loss[0].copy_(found)
                 chunks = chunks_of_size(dense, self._step_chunks)
-                clip = self._clip_in_chunks(chunks, ready) if self.plan.clip_grad else None
+                clip = None
+                if self.plan.clip_grad:
+                    clip = float(self.plan.clip_grad), clip_in_chunks_(
+                        chunks, ready, self._owned, self._sources, self._clip_groups,
+                        self._inv_scale_or_none(), float(self.plan.clip_grad))
+                    self.grad_norm = clip[1]
             else:
                 if self._stage != _UNSCALED:
                     self.unscale_()
