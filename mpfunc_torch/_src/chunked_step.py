@@ -31,6 +31,7 @@ from mpfunc_torch._src.clipping import (
     grad_norms,
 )
 from mpfunc_torch._src.grads import check_, coalesce_sparse_, grads_of
+from mpfunc_torch._src.master_weights import sparse_grads_to_masters_
 from mpfunc_torch._src.sharding import local
 
 __all__ = [
@@ -110,19 +111,10 @@ def split_for_chunked_step_(pairs: Pairs, owned: Sequence[torch.Tensor]
                             ) -> tuple[list, list[torch.Tensor]]:
     """Before `step_in_chunks_`: returns the pairs whose half grad is dense (to copy
     chunk by chunk) and the owned params that have a grad already (params without a
-    half source, and masters of sparse half grads, made here as for
-    `copy_grads_to_masters_`)."""
-    dense = []
-    for p, m in pairs:
-        g = p.grad
-        if g is None:
-            m.grad = None
-        elif g.is_sparse:
-            m.grad = g.to(m.dtype).coalesce()
-            p.grad = None
-        else:
-            m.grad = None
-            dense.append((p, m))
+    half source, and masters of sparse half grads, `sparse_grads_to_masters_`)."""
+    dense = sparse_grads_to_masters_(pairs)
+    for _, m in dense:
+        m.grad = None
     return dense, [q for q in owned if q.grad is not None]
 
 

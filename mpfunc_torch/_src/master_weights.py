@@ -26,6 +26,7 @@ __all__ = [
     "has_stepped",
     "swap_in_masters_",
     "largest_first",
+    "sparse_grads_to_masters_",
     "copy_grads_to_masters_",
     "copy_masters_to_model_",
     "release_master_grads_",
@@ -116,6 +117,23 @@ def _chunks(pairs: Pairs, floor_fraction: int = 256) -> list[list]:
     return chunks
 
 
+def sparse_grads_to_masters_(pairs: Pairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sets the master grad of every pair whose half grad is None (None) or sparse (a
+    coalesced float32 sparse copy; the half grad is dropped). Returns the pairs whose
+    half grad is dense, in order, for the caller to copy."""
+    dense = []
+    for p, m in pairs:
+        g = p.grad
+        if g is None:
+            m.grad = None
+        elif g.is_sparse:
+            m.grad = g.to(m.dtype).coalesce()
+            p.grad = None
+        else:
+            dense.append((p, m))
+    return dense
+
+
 def copy_grads_to_masters_(pairs: Pairs) -> None:
     """Model (half) grads -> float32 master grads, releasing each half grad as soon as
     it is copied; pass ``pairs`` largest first (`largest_first`).
@@ -134,17 +152,7 @@ def copy_grads_to_masters_(pairs: Pairs) -> None:
     A sparse grad becomes a coalesced float32 sparse master grad (duplicates summed in
     float32), which optimizers with sparse support (SGD, SparseAdam, Adagrad) step.
     """
-    dense = []
-    for p, m in pairs:
-        g = p.grad
-        if g is None:
-            m.grad = None
-        elif g.is_sparse:
-            m.grad = g.to(m.dtype).coalesce()
-            p.grad = None
-        else:
-            dense.append((p, m))
-    for chunk in _chunks(dense):
+    for chunk in _chunks(sparse_grads_to_masters_(pairs)):
         for _, m in chunk:
             if m.grad is None or m.grad.is_sparse:
                 m.grad = torch.empty_like(m)
