@@ -30,7 +30,7 @@ from mpfunc_torch._src.clipping import (
     global_grad_norm,
     grad_norms,
 )
-from mpfunc_torch._src.grads import check_, coalesce_sparse_, grads_of
+from mpfunc_torch._src.grads import check_, coalesce_sparse_, grads_of, unscale_checked_
 from mpfunc_torch._src.master_weights import sparse_grads_to_masters_
 from mpfunc_torch._src.sharding import local
 
@@ -148,20 +148,17 @@ def norms_in_chunks(chunks: Sequence[Pairs], index_of: dict[int, int],
 
 
 def check_for_chunks_(pairs: Pairs, owned: Sequence[torch.Tensor], scaler: Any,
+                      inv_scale: torch.Tensor | None,
                       found_inf: torch.Tensor) -> tuple[list, list]:
     """`AmpOptimizer.unscale_`'s check for the chunked step, made on the half grads
     without copying them (`check_half_grads_`); the grads that exist already (no half
-    source) are unscaled and checked here. ``found_inf`` is raised, not reduced across
-    ranks. Returns `split_for_chunked_step_`'s (dense pairs, ready params)."""
+    source) are unscaled by ``inv_scale`` (``scaler``'s; None: not scaled) and checked
+    here. ``found_inf`` is raised, not reduced across ranks. Returns `split_for_chunked_step_`'s (dense pairs, ready params)."""
     dense, ready = split_for_chunked_step_(pairs, owned)
     coalesce_sparse_(ready)
-    inv = None if scaler.kind == "none" else scaler.inv_scale()
-    grads = grads_of(ready)
-    if inv is not None:
-        fused.unscale_and_check_(grads, found_inf, inv)
-    if inv is None or scaler.may_go_below_one:
-        check_(grads, found_inf)
-    check_half_grads_([p.grad for p, _ in dense], found_inf, inv, scaler.smallest_scale)
+    unscale_checked_(grads_of(ready), found_inf, inv_scale, scaler.may_go_below_one)
+    check_half_grads_([p.grad for p, _ in dense], found_inf, inv_scale,
+                      scaler.smallest_scale)
     return dense, ready
 
 

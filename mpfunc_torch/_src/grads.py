@@ -14,7 +14,8 @@ import torch
 from mpfunc_torch._src import fused
 from mpfunc_torch._src.sharding import local
 
-__all__ = ["grads_of", "coalesce_sparse_", "set_aside_", "add_back_unscaled_", "check_"]
+__all__ = ["grads_of", "coalesce_sparse_", "set_aside_", "add_back_unscaled_", "check_",
+           "inv_scale_or_none", "unscale_checked_"]
 
 
 def grads_of(owned: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -35,6 +36,22 @@ def coalesce_sparse_(owned: Sequence[torch.Tensor]) -> None:
 def check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Raises ``found_inf`` if any of ``grads`` holds an inf/NaN (no unscaling)."""
     fused.unscale_and_check_(grads, found_inf, torch.ones((), device=found_inf.device))
+
+
+def inv_scale_or_none(scaler) -> torch.Tensor | None:
+    """``scaler``'s ``1 / scale`` (a new device tensor), or None where it does not scale."""
+    return None if scaler.kind == "none" else scaler.inv_scale()
+
+
+def unscale_checked_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
+                     inv_scale: torch.Tensor | None, may_go_below_one: bool) -> None:
+    """Multiplies ``grads`` by ``inv_scale`` in place (None: no unscaling) and raises
+    ``found_inf`` on inf/NaN: one fused pass, which checks the values before unscaling;
+    where the scale can be below 1 (or nothing is unscaled) a check-only pass follows."""
+    if inv_scale is not None:
+        fused.unscale_and_check_(grads, found_inf, inv_scale)
+    if inv_scale is None or may_go_below_one:
+        check_(grads, found_inf)
 
 
 def set_aside_(owned: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list:
@@ -63,10 +80,7 @@ def add_back_unscaled_(owned, sources, stash, scaler, found_inf: torch.Tensor) -
             src.grad = None
         fresh.append(g.coalesce() if g is not None and g.is_sparse else g)
     grads = [local(g) for g in fresh if g is not None]
-    if scaler.kind != "none":
-        fused.unscale_and_check_(grads, found_inf, scaler.inv_scale())
-    if scaler.kind == "none" or scaler.may_go_below_one:
-        check_(grads, found_inf)
+    unscale_checked_(grads, found_inf, inv_scale_or_none(scaler), scaler.may_go_below_one)
     del grads
     for i, q in enumerate(owned):
         g, old = fresh[i], stash[i]

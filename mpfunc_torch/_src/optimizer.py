@@ -27,7 +27,9 @@ from mpfunc_torch._src.grads import (
     check_,
     coalesce_sparse_,
     grads_of,
+    inv_scale_or_none,
     set_aside_,
+    unscale_checked_,
 )
 from mpfunc_torch._src.loss_scale import LossScaler, SharedScale
 from mpfunc_torch._src.master_weights import (
@@ -292,18 +294,11 @@ class AmpOptimizer(WrappedOptimizer):
             copy_grads_to_masters_(self._copy_order)
             coalesce_sparse_(self._owned)
             scaler = self._scalers[0]
-            owned = grads_of(self._owned)
-            if scaler.kind != "none":
-                fused.unscale_and_check_(owned, found, scaler.inv_scale())
-            if scaler.kind == "none" or scaler.may_go_below_one:
-                check_(owned, found)
+            unscale_checked_(grads_of(self._owned), found, inv_scale_or_none(scaler),
+                             scaler.may_go_below_one)
             all_reduce_found_inf_(found, self._groups)
             self._found_inf_per_loss[0].copy_(found)
         self._stage = _UNSCALED
-
-    def _inv_scale_or_none(self) -> torch.Tensor | None:
-        scaler = self._scalers[0]
-        return None if scaler.kind == "none" else scaler.inv_scale()
 
     def backward_done(self) -> None:
         """Says that the scaled backward of this step ran outside this optimizer.
@@ -381,16 +376,17 @@ class AmpOptimizer(WrappedOptimizer):
             chunked = self._step_chunks > 1 and self._stage == _BACKWARD
             if chunked:
                 found.zero_()
-                dense, ready = check_for_chunks_(self._copy_order, self._owned,
-                                                 self._scalers[0], found)
+                inv = inv_scale_or_none(scaler)  # one reciprocal for the whole step
+                dense, ready = check_for_chunks_(self._copy_order, self._owned, scaler,
+                                                 inv, found)
                 all_reduce_found_inf_(found, self._groups)
                 self._found_inf_per_loss[0].copy_(found)
                 chunks = chunks_of_size(dense, self._step_chunks)
                 clip = None
                 if self.plan.clip_grad:
                     clip = float(self.plan.clip_grad), clip_in_chunks_(
-                        chunks, ready, self._owned, self._sources, self._clip_groups,
-                        self._inv_scale_or_none(), float(self.plan.clip_grad))
+                        chunks, ready, self._owned, self._sources, self._clip_groups, inv,
+                        float(self.plan.clip_grad))
                     self.grad_norm = clip[1]
             else:
                 if self._stage != _UNSCALED:
@@ -409,8 +405,7 @@ class AmpOptimizer(WrappedOptimizer):
             # a fused optimizer skips on the device; otherwise the one host read
             if (self._fused and not host_skip) or not found.item():
                 if chunked:
-                    step_in_chunks_(chunks, ready, self._inv_scale_or_none(), found, inner,
-                                    clip)
+                    step_in_chunks_(chunks, ready, inv, found, inner, clip)
                 else:
                     inner()
                 copy_masters_to_model_(self._pairs)
