@@ -173,3 +173,30 @@ def test_fp8_converts_the_linear_layers(name, converted, left):
         converted, left)
     if name == "gpt2":  # converted in place: still tied to the embedding
         assert net.lm_head is lm_head and lm_head.weight is net.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("mode, cfg", [("naive", {"initial_scale": 2.0**10, "clip_grad": 0.5}),
+                                       ("apex", {"opt_level": "O2", "verbosity": 0})],
+                         ids=["naive-clip", "O2"])
+@pytest.mark.parametrize("name", MODELS)
+def test_step_chunks_trains_a_real_model_bit_for_bit(name, mode, cfg):
+    # step_chunks on a real model's params (tied GPT-2 embedding, Llama's RMSNorm, BERT's
+    # pooler): the chunked step ends where one step over all params does.
+    out = []
+    for k in (1, 3):
+        net = build(name)
+        model, opt, _ = mpfunc_torch.convert_to_amp(
+            net, torch.optim.AdamW(net.parameters(), lr=1e-2), mode=mode, step_chunks=k,
+            **cfg)
+        x, y = data(name)
+        flags = []
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(model(input_ids=x, labels=y).loss)
+            flags.append(bool(opt.step()))
+        out.append((flags, {n: p.detach().clone() for n, p in net.named_parameters()},
+                    opt.state_dict()["master_weights"]))
+    (flags1, params1, masters1), (flags3, params3, masters3) = out
+    assert flags1 == flags3 and any(flags3)
+    assert all(torch.equal(params1[n], params3[n]) for n in params1)
+    assert all(torch.equal(a, b) for a, b in zip(masters1, masters3))
