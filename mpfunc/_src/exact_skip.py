@@ -41,7 +41,8 @@ try:  # jax >= 0.4.30 exposes these publicly here
 except ImportError:  # pragma: no cover
     from jax.core import Literal  # type: ignore
 
-from mpfunc._src.rewrite import bind_with_subprograms
+# Calls in INLINE have their body evaluated inline, so the select reaches the ops inside.
+from mpfunc._src.rewrite import INLINE, bind_with_subprograms, eval_eqns
 
 __all__ = ["cond_skip_update", "neg_zeros_like", "skip_update"]
 
@@ -73,10 +74,6 @@ def _select(finite: jax.Array, new: Any, old: Any) -> Any:
     return jax.lax.select_n(jnp.asarray(finite, bool), old, new)
 
 
-# Calls whose body is evaluated inline, so the select reaches the ops inside them.
-_INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
-
-
 def _redirects(jaxpr, targets: dict[int, Any]) -> dict[Any, Any]:
     """The values of ``jaxpr`` to select where they are produced: ``{var: old leaf}``.
 
@@ -104,31 +101,19 @@ def _eval(jaxpr, consts, args, finite, targets: dict[int, Any]) -> list:
     """Evaluates ``jaxpr``; every output in ``targets`` comes back as
     ``where(finite, value, old)``, selected where it is produced when possible."""
     redirect = _redirects(jaxpr, targets)
-    env: dict[Any, Any] = {}
 
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for v, c in zip(jaxpr.constvars, consts):
-        env[v] = c
-    for v, a in zip(jaxpr.invars, args):
-        env[v] = a
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+    def apply(eqn, invals):
         inner = {k: redirect[v] for k, v in enumerate(eqn.outvars) if v in redirect}
         prim, params = eqn.primitive, dict(eqn.params)
-        if inner and prim.name in _INLINE and hasattr(params.get("jaxpr"), "jaxpr"):
+        if inner and prim.name in INLINE and hasattr(params.get("jaxpr"), "jaxpr"):
             cj = params["jaxpr"]
-            outs = _eval(cj.jaxpr, cj.consts, invals, finite, inner)
-        else:
-            outs = bind_with_subprograms(prim, invals, params)
-            if not prim.multiple_results:
-                outs = [outs]
-            outs = [_select(finite, o, inner[k]) if k in inner else o
-                    for k, o in enumerate(outs)]
-        for v, o in zip(eqn.outvars, outs):
-            env[v] = o
-    outs = [read(v) for v in jaxpr.outvars]
+            return _eval(cj.jaxpr, cj.consts, invals, finite, inner)
+        outs = bind_with_subprograms(prim, invals, params)
+        if not prim.multiple_results:
+            outs = [outs]
+        return [_select(finite, o, inner[k]) if k in inner else o for k, o in enumerate(outs)]
+
+    outs = eval_eqns(jaxpr, consts, args, apply)
     return [o if k not in targets or jaxpr.outvars[k] in redirect
             else _select(finite, o, targets[k]) for k, o in enumerate(outs)]
 

@@ -26,7 +26,7 @@ try:  # jax >= 0.4.30 exposes these publicly here
 except ImportError:  # pragma: no cover
     from jax.core import ClosedJaxpr, Jaxpr, Literal  # type: ignore
 
-__all__ = ["Rewriter", "cast", "is_float", "widest", "strip_dot_algorithm"]
+__all__ = ["Rewriter", "cast", "eval_eqns", "is_float", "widest", "strip_dot_algorithm"]
 
 INLINE = frozenset({"jit", "pjit", "closed_call", "core_call"})
 INLINE_CALL = frozenset({"custom_jvp_call"})
@@ -44,6 +44,27 @@ def bind_with_subprograms(prim, invals, params):
         subfuns, bind_params = out
         return prim.bind(*subfuns, *invals, **bind_params)
     return prim.bind(*invals, **out)
+
+
+def eval_eqns(jaxpr: Jaxpr, consts, args, apply: Callable[[Any, list], list]) -> list:
+    """Evaluates ``jaxpr`` on ``args``, each equation by ``apply(eqn, invals) -> outs``.
+
+    The one interpreter loop behind `Rewriter.eval_jaxpr` and the exact skip's rewrite:
+    ``apply`` returns a list of output values (one per ``eqn.outvars``).
+    """
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = c
+    for v, a in zip(jaxpr.invars, args):
+        env[v] = a
+    for eqn in jaxpr.eqns:
+        for v, o in zip(eqn.outvars, apply(eqn, [read(v) for v in eqn.invars])):
+            env[v] = o
+    return [read(v) for v in jaxpr.outvars]
 
 
 def is_float(dtype) -> bool:
@@ -106,25 +127,14 @@ class Rewriter:
 
     # -- evaluation ----------------------------------------------------------------------
     def eval_jaxpr(self, jaxpr: Jaxpr, consts, args, in_tags: Sequence[Any] | None = None):
-        env: dict[Any, Any] = {}
         var_tags, _ = self.tags(jaxpr, list(in_tags or [None] * len(jaxpr.invars)))
 
-        def read(v):
-            return v.val if isinstance(v, Literal) else env[v]
-
-        for v, c in zip(jaxpr.constvars, consts):
-            env[v] = c
-        for v, a in zip(jaxpr.invars, args):
-            env[v] = a
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
+        def apply(eqn, invals):
             tags = [None if isinstance(v, Literal) else var_tags.get(v) for v in eqn.invars]
             outs = self.apply(eqn, invals, tags)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-            for v, o in zip(eqn.outvars, outs):
-                env[v] = o
-        return [read(v) for v in jaxpr.outvars]
+            return outs if eqn.primitive.multiple_results else [outs]
+
+        return eval_eqns(jaxpr, consts, args, apply)
 
     def apply(self, eqn, invals, tags):
         prim, params = eqn.primitive, dict(eqn.params)
