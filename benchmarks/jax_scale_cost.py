@@ -244,6 +244,11 @@ def scaling_variants():
         "mpfunc.dynamic_scale(MultiSteps(adam, 4))": (
             "optax.MultiSteps(adam, 4)",
             *optax_step(mpfunc.dynamic_scale(optax.MultiSteps(adam, 4)), True), ident),
+        # optax's own skip inside MultiSteps (a lax.cond), for comparison.
+        "MultiSteps(adam, 4, should_skip_update_fn=skip_not_finite)": (
+            "optax.MultiSteps(adam, 4)", *optax_step(optax.MultiSteps(
+                adam, 4, should_skip_update_fn=optax.skip_not_finite).gradient_transformation()),
+            ident),
     }
     for name, mode, config in (("torch", "torch", {}),
                                ("apex O1", "apex", {"opt_level": "O1", "verbosity": 0}),
