@@ -19,7 +19,7 @@ bytes/param instead of 18, and the result is bit for bit that of one step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,7 +30,14 @@ from mpfunc_torch._src.clipping import (
     global_grad_norm,
     grad_norms,
 )
-from mpfunc_torch._src.grads import check_, coalesce_sparse_, grads_of, unscale_checked_
+from mpfunc_torch._src.distributed import all_reduce_found_inf_
+from mpfunc_torch._src.grads import (
+    check_,
+    coalesce_sparse_,
+    grads_of,
+    inv_scale_or_none,
+    unscale_checked_,
+)
 from mpfunc_torch._src.master_weights import sparse_grads_to_masters_
 from mpfunc_torch._src.sharding import local
 
@@ -43,9 +50,21 @@ __all__ = [
     "check_for_chunks_",
     "clip_in_chunks_",
     "step_in_chunks_",
+    "ChunkedStep",
+    "prepare_chunked_step_",
 ]
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
+
+
+class ChunkedStep(NamedTuple):
+    """What `prepare_chunked_step_` decided, for `step_in_chunks_`."""
+
+    dense: list          # (model param, master) pairs whose half grad is dense
+    ready: list          # owned params whose grads exist and are unscaled already
+    chunks: list         # the dense pairs in about ``step_chunks`` chunks
+    inv_scale: torch.Tensor | None
+    clip: tuple[float, torch.Tensor] | None  # (max_norm, total norm) with clip_grad
 
 
 # torch.optim classes whose step updates each param from its own grad and state only, so
@@ -209,3 +228,23 @@ def step_in_chunks_(chunks: Sequence[Pairs], ready: Sequence[torch.Tensor],
             m.grad = None
     for q, g in zip(ready, held):
         q.grad = g
+
+
+def prepare_chunked_step_(pairs: Pairs, owned: Sequence[torch.Tensor],
+                          sources: Sequence[torch.Tensor], scaler: Any,
+                          found_inf: torch.Tensor, groups: tuple, clip_groups: tuple,
+                          step_chunks: int, clip_grad: float | None) -> ChunkedStep:
+    """Everything the chunked step settles before any chunk steps: the check
+    (`check_for_chunks_`, ``found_inf`` zeroed first and reduced over ``groups``), the
+    chunks, and with ``clip_grad`` the global norm (`clip_in_chunks_`, over
+    ``clip_groups``). The scale's reciprocal is taken once, for the whole step."""
+    found_inf.zero_()
+    inv = inv_scale_or_none(scaler)
+    dense, ready = check_for_chunks_(pairs, owned, scaler, inv, found_inf)
+    all_reduce_found_inf_(found_inf, groups)
+    chunks = chunks_of_size(dense, step_chunks)
+    clip = None
+    if clip_grad:
+        clip = float(clip_grad), clip_in_chunks_(chunks, ready, owned, sources, clip_groups,
+                                                 inv, float(clip_grad))
+    return ChunkedStep(dense, ready, chunks, inv, clip)

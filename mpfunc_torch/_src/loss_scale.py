@@ -20,7 +20,7 @@ from _mpfunc_common.scale_config import (
 )
 from mpfunc_torch._src import fused
 
-__all__ = ["LossScaler", "SharedScale"]
+__all__ = ["LossScaler"]
 
 _INT32_MAX = 2**31 - 1
 _STATE_KEYS = ("kind", "loss_scale", "growth_tracker", "hysteresis_left", "skipped_steps",
@@ -371,38 +371,6 @@ def _check_config(cfg: Any, kind: str, name: str) -> dict[str, Any] | None:
     if math.isnan(out["min_scale"]) or math.isnan(out["max_scale"]):
         raise ValueError(f"`{name}` has a NaN bound: {cfg!r}.")
     return out
-
-
-class SharedScale:
-    """One set of loss scalers shared by the optimizers converted together.
-
-    As with one ``torch.amp.GradScaler`` driving several optimizers: each optimizer skips
-    or steps on its own gradients, and the scale is updated once per iteration, after
-    the last of them has stepped, with the overflow flag of all of them.
-    """
-
-    def __init__(self, scalers: list[LossScaler], n_optimizers: int, device):
-        self.scalers = scalers
-        self.n = n_optimizers
-        self.members: list = []
-        self.stepped = 0
-        self.found = torch.zeros((), dtype=torch.float32, device=device)
-
-    def record(self, found_inf: torch.Tensor) -> bool:
-        """Adds one optimizer's flag; True when the iteration's last optimizer stepped."""
-        if self.n == 1:
-            return True
-        torch.maximum(self.found, found_inf, out=self.found)
-        self.stepped += 1
-        return self.stepped == self.n
-
-    def take(self, found_inf: torch.Tensor) -> torch.Tensor:
-        if self.n == 1:
-            return found_inf
-        self.stepped = 0
-        out = self.found.clone()
-        self.found.zero_()
-        return out
 
 
 LossScaler.__doc__ = LossScaler.__doc__.format(rule=UPDATE_RULE)

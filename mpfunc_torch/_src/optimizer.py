@@ -10,12 +10,7 @@ import torch
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import checkpoint, fused
-from mpfunc_torch._src.chunked_step import (
-    check_for_chunks_,
-    chunks_of_size,
-    clip_in_chunks_,
-    step_in_chunks_,
-)
+from mpfunc_torch._src.chunked_step import prepare_chunked_step_, step_in_chunks_
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
     global_grad_norm,
@@ -31,7 +26,7 @@ from mpfunc_torch._src.grads import (
     set_aside_,
     unscale_checked_,
 )
-from mpfunc_torch._src.loss_scale import LossScaler, SharedScale
+from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.master_weights import (
     copy_grads_to_masters_,
     copy_masters_to_model_,
@@ -42,22 +37,13 @@ from mpfunc_torch._src.master_weights import (
     swap_in_masters_,
 )
 from mpfunc_torch._src.sharding import mesh_groups
-from mpfunc_torch._src.wrapped_optimizer import WrappedOptimizer
+from mpfunc_torch._src.shared_scale import SharedScale
+from mpfunc_torch._src.wrapped_optimizer import WrappedOptimizer, mark_step_called
 
 __all__ = ["AmpOptimizer"]
 
 _READY, _BACKWARD, _UNSCALED = "ready", "backward", "unscaled"
 _profile_hook_step = torch.optim.Optimizer.profile_hook_step
-
-
-def _mark_step_called(optimizer: torch.optim.Optimizer) -> None:
-    """A skipped step is still this iteration's optimizer step. torch's LR schedulers
-    wrap the inner optimizer's ``step`` to check, at their first ``step()``, that the
-    optimizer stepped first; a skipped step never reaches the inner ``step``, so record
-    the call as that wrapper does. Otherwise a correctly ordered loop whose first steps
-    overflow (naive starts at 2**32) gets a call-order warning (GradScaler users do)."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        optimizer._opt_called = True
 
 
 class AmpOptimizer(WrappedOptimizer):
@@ -373,21 +359,14 @@ class AmpOptimizer(WrappedOptimizer):
             grad_scale = scaler.scale if scaler.kind != "none" else None
             fused.step_with_found_inf_(self.optimizer, grad_scale, found)
         else:
-            chunked = self._step_chunks > 1 and self._stage == _BACKWARD
-            if chunked:
-                found.zero_()
-                inv = inv_scale_or_none(scaler)  # one reciprocal for the whole step
-                dense, ready = check_for_chunks_(self._copy_order, self._owned, scaler,
-                                                 inv, found)
-                all_reduce_found_inf_(found, self._groups)
+            chunked = None
+            if self._step_chunks > 1 and self._stage == _BACKWARD:
+                chunked = prepare_chunked_step_(
+                    self._copy_order, self._owned, self._sources, scaler, found,
+                    self._groups, self._clip_groups, self._step_chunks, self.plan.clip_grad)
                 self._found_inf_per_loss[0].copy_(found)
-                chunks = chunks_of_size(dense, self._step_chunks)
-                clip = None
-                if self.plan.clip_grad:
-                    clip = float(self.plan.clip_grad), clip_in_chunks_(
-                        chunks, ready, self._owned, self._sources, self._clip_groups, inv,
-                        float(self.plan.clip_grad))
-                    self.grad_norm = clip[1]
+                if chunked.clip is not None:
+                    self.grad_norm = chunked.clip[1]
             else:
                 if self._stage != _UNSCALED:
                     self.unscale_()
@@ -405,23 +384,17 @@ class AmpOptimizer(WrappedOptimizer):
             # a fused optimizer skips on the device; otherwise the one host read
             if (self._fused and not host_skip) or not found.item():
                 if chunked:
-                    step_in_chunks_(chunks, ready, inv, found, inner, clip)
+                    step_in_chunks_(chunked.chunks, chunked.ready, chunked.inv_scale, found,
+                                    inner, chunked.clip)
                 else:
                     inner()
                 copy_masters_to_model_(self._pairs)
             else:
-                for p, _ in dense if chunked else ():
+                for p, _ in chunked.dense if chunked else ():
                     p.grad = None
-                _mark_step_called(self.optimizer)
+                mark_step_called(self.optimizer)
         stepped = found == 0
-        if len(self._scalers) == 1:
-            if self._shared.record(found):
-                scaler.update(self._shared.take(found))
-        else:
-            for s, f in zip(self._scalers, self._found_inf_per_loss):
-                # Each loss's scale follows its own overflows; the step is skipped (and
-                # counted on every scaler) if any loss overflowed.
-                s.update(f, step_found_inf=found)
+        self._shared.update_after_step(found, self._found_inf_per_loss)
         for f in self._found_inf_per_loss:
             f.zero_()
         release_master_grads_(self._pairs)

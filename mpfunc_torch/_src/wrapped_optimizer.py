@@ -14,7 +14,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["WrappedOptimizer"]
+__all__ = ["WrappedOptimizer", "mark_step_called"]
+
+
+def mark_step_called(optimizer: torch.optim.Optimizer) -> None:
+    """A skipped step is still this iteration's optimizer step. torch's LR schedulers
+    wrap the inner optimizer's ``step`` to check, at their first ``step()``, that the
+    optimizer stepped first; a skipped step never reaches the inner ``step``, so record
+    the call as that wrapper does. Otherwise a correctly ordered loop whose first steps
+    overflow (naive starts at 2**32) gets a call-order warning (GradScaler users do)."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
