@@ -6,8 +6,10 @@ it, at three depths of an MLP (width 256, two leaves per layer), all compiled as
 
 * peak memory: XLA's ``memory_analysis()`` of the compiled step, arguments + outputs +
   temporaries - aliased (donated) bytes. Deterministic.
-* compile time: ``lower`` + ``compile`` after ``jax.clear_caches()``, each the minimum
-  over ``--compile-repeats``, interleaved over the variants.
+* compile time: ``lower`` + ``compile``, each the minimum over ``--compile-repeats``,
+  interleaved over the variants; each compile runs in a fresh process (after a warm-up
+  compile of an unrelated function), as a training run's first step does.
+  ``--compile-in-process`` times them all in this process instead.
 * step time: the fastest of interleaved rounds (A B C ... A B C ...), which on a shared
   machine is the round no other process interrupted. The JSON also has the median, and
   the median over rounds of each round's ratio to its baseline's time in that round
@@ -28,6 +30,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -264,7 +268,38 @@ def scaling_variants():
     return v
 
 
-def measure(variants, depth, batch, compile_repeats, rounds, iters):
+def compile_time(step, params, state, x):
+    """(lower_s, xla_compile_s) of ``jax.jit(step, donate_argnums=(0, 1))``, and the
+    compiled step, with jax's caches cleared first."""
+    jax.clear_caches()  # or a repeat would hit jax's compilation cache
+    t0 = time.perf_counter()
+    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return t1 - t0, time.perf_counter() - t1, compiled
+
+
+def compile_one(name, depth, batch):
+    """One compile of variant ``name`` in this (fresh) process, after a warm-up compile of
+    an unrelated function, so that one-time costs of the process are not counted."""
+    _, init, step, cast = scaling_variants()[name]
+    params = cast(init_model(depth))
+    x = jax.random.normal(jax.random.key(1), MODELS[_model][2](batch))
+    jax.jit(lambda a: jnp.tanh(a @ a.T).sum()).lower(jnp.ones((8, 8))).compile()
+    lower_s, xla_s, _ = compile_time(step, params, init(params), x)
+    return {"lower_s": lower_s, "xla_compile_s": xla_s}
+
+
+def _compile_in_subprocess(name, depth, batch):
+    cmd = [sys.executable, os.path.abspath(__file__), "--compile-one", name, "--depths",
+           str(depth), "--batch", str(batch), "--model", _model]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"compiling {name!r} in a subprocess failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(variants, depth, batch, compile_repeats, rounds, iters, isolated=True):
     params32 = init_model(depth)
     x = jax.random.normal(jax.random.key(1), MODELS[_model][2](batch))
     rows, runs, inputs, best = {}, {}, {}, {}
@@ -276,17 +311,22 @@ def measure(variants, depth, batch, compile_repeats, rounds, iters):
         inputs[name] = (params, fresh(init(params)))
         best[name] = [float("inf"), float("inf")]
     # Compile repeats interleaved over the variants (A B C ... A B C ...), so that a slow
-    # spell of the machine does not land on one variant's repeats only.
+    # spell of the machine does not land on one variant's repeats only. Isolated (the
+    # default), each compile runs in a fresh process, as a training run's first step
+    # does: in one long process a compile right after a very large one (jmp's or flax's
+    # rows, 11-36 s at 96 layers) ran up to 1.5x slower (BENCHMARKS.md section 6).
     compiled = {}
     for _ in range(compile_repeats):
         for name, (_, _, step, _) in variants.items():
-            jax.clear_caches()  # or the repeats would hit jax's compilation cache
-            t0 = time.perf_counter()
-            lowered = jax.jit(step, donate_argnums=(0, 1)).lower(*inputs[name], x)
-            t1 = time.perf_counter()
-            compiled[name] = lowered.compile()
-            t2 = time.perf_counter()
-            best[name] = [min(best[name][0], t1 - t0), min(best[name][1], t2 - t1)]
+            if isolated:
+                t = _compile_in_subprocess(name, depth, batch)
+                lower_s, xla_s = t["lower_s"], t["xla_compile_s"]
+            else:
+                lower_s, xla_s, compiled[name] = compile_time(step, *inputs[name], x)
+            best[name] = [min(best[name][0], lower_s), min(best[name][1], xla_s)]
+    for name, (_, _, step, _) in variants.items():
+        if name not in compiled:
+            compiled[name] = compile_time(step, *inputs[name], x)[2]
     for name, (base, *_) in variants.items():
         m = compiled[name].memory_analysis()
         peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -337,7 +377,7 @@ def cpu_name():
     return f"{name}, {os.cpu_count()} cores"
 
 
-def run(depths, batch, compile_repeats, rounds, iters, only=None):
+def run(depths, batch, compile_repeats, rounds, iters, only=None, isolated=True):
     variants = scaling_variants()
     if only:
         keep = set(only)
@@ -348,8 +388,8 @@ def run(depths, batch, compile_repeats, rounds, iters, only=None):
                   f"{cpu_name()}",
         "versions": {"jax": jax.__version__, "optax": optax.__version__},
         "model": _model, "batch": batch, "width": WIDTH, "compile_repeats": compile_repeats,
-        "rounds": rounds, "iters": iters,
-        "depths": [measure(variants, d, batch, compile_repeats, rounds, iters)
+        "rounds": rounds, "iters": iters, "compile_isolated": isolated,
+        "depths": [measure(variants, d, batch, compile_repeats, rounds, iters, isolated)
                    for d in depths],
     }
 
@@ -392,10 +432,17 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", default=None, help="variant names (and baselines)")
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    ap.add_argument("--compile-in-process", action="store_true",
+                    help="time every compile in this one process, not each in a fresh one")
+    ap.add_argument("--compile-one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     global _model
     _model = args.model
-    r = run(args.depths, args.batch, args.compile_repeats, args.rounds, args.iters, args.only)
+    if args.compile_one:  # the subprocess behind an isolated compile time
+        print(json.dumps(compile_one(args.compile_one, args.depths[0], args.batch)))
+        return None
+    r = run(args.depths, args.batch, args.compile_repeats, args.rounds, args.iters, args.only,
+            isolated=not args.compile_in_process)
     print(to_markdown(r))
     if args.json:
         with open(args.json, "w") as f:
