@@ -163,12 +163,12 @@ def test_convert_then_fully_shard_is_refused_naming_the_order(fsdp2, label):
         assert "Shard first, then build the optimizer" in msg and "fully_shard(net)" in msg
 
 
-@pytest.mark.parametrize("label", ["naive", "O2", "naive-clip"])
+@pytest.mark.parametrize("label", ["naive", "O2", "naive-clip", "naive-zeros"])
 def test_step_chunks_under_fsdp2_is_bitwise_one_step(fsdp2, label):
     # step_chunks=3 on sharded (DTensor) masters: each rank checks its half-grad shards,
     # the flag is reduced over the mesh, and every step (the skipped one included)
     # comes out bit for bit as with one optimizer step.
-    clip = tm.CLIP if label.endswith("clip") else None
+    clip = tm.CLIP if label.endswith(("clip", "zeros")) else None
     ref = reference(label.split("-")[0], clip, False)
     for r in fsdp2:
         one, three = r[f"{label}-chunks1"], r[f"{label}-chunks3"]
@@ -183,4 +183,7 @@ def test_step_chunks_under_fsdp2_is_bitwise_one_step(fsdp2, label):
         assert one["calls"] == 2 and three["calls"] >= 2 * 3  # two steps taken
         if clip is not None:  # the last step's norm, taken chunk by chunk, on every rank
             assert torch.equal(one["grad_norm"], three["grad_norm"])
+        if label.endswith("zeros"):  # counted chunk by chunk, reduced over the mesh
+            assert one["zeros"] == three["zeros"] == fsdp2[0][f"{label}-chunks1"]["zeros"]
+            assert one["zeros"] is not None
             assert float(three["grad_norm"]) == pytest.approx(ref["report"][-1][2], rel=2e-3)

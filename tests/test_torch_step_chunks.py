@@ -36,9 +36,11 @@ def _optimizer(cls, params, **kw):
     return cls(params, lr=1e-2, **kw)
 
 
-def _run(cls, mode, cfg, k, steps=12, faults=(), norms=None, **kw):
+def _run(cls, mode, cfg, k, steps=12, faults=(), norms=None, zeros=None, **kw):
     """``steps`` iterations; ``faults`` maps a step to "loss" (an inf loss: every grad
-    overflows) or "grad" (a NaN in one gradient). Returns everything that must match."""
+    overflows) or "grad" (a NaN in one gradient). With ``zeros`` (a list), 1-4 rows of
+    the first weight's gradient are zeroed each step and ``num_zeros_in_grad`` is
+    recorded. Returns everything that must match."""
     net = _mlp(bias=cls is not torch.optim.Muon)  # Muon steps 2-D params only
     if cls is torch.optim.Muon:
         net[1] = torch.nn.Identity()
@@ -59,10 +61,14 @@ def _run(cls, mode, cfg, k, steps=12, faults=(), norms=None, **kw):
         opt.backward(loss)
         if faults.get(i) == "grad":
             list(net.parameters())[-2].grad[1, 2] = float("nan")
+        if zeros is not None:
+            list(net.parameters())[0].grad[:i % 4 + 1] = 0
         before = len(calls)
         flags.append(bool(opt.step()))
         if norms is not None:
             norms.append(opt.grad_norm.clone())
+        if zeros is not None:
+            zeros.append(int(opt.num_zeros_in_grad))
         per_step_calls.append(len(calls) - before)
         scales.append(float(opt.loss_scale))
     return {
@@ -137,6 +143,25 @@ def test_chunked_step_with_clip_grad(cls, kw):
     assert all(float(n) > 0.05 for n in taken)  # clipping was active on every step taken
     for a, b, f in zip(one_norms, four_norms, one["flags"]):
         assert torch.equal(a, b) if f else not torch.isfinite(b)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("kw", [{}, {"fused": True}], ids=["for-loop", "fused"])
+def test_chunked_step_logs_num_zeros_in_grad(kw, clip):
+    # naive's log_num_zeros_in_grad key: each chunk's zeros are counted once its grads
+    # are unscaled and clipped (skipped steps too, through a counting pass), and the
+    # count equals the unchunked step's, as do the trajectories.
+    cfg = dict(MODES[0][1], log_num_zeros_in_grad=True)
+    if clip:
+        cfg["clip_grad"] = clip
+    one_zeros, four_zeros = [], []
+    one = _run(torch.optim.Adam, "naive", cfg, 1, faults=FAULTS, zeros=one_zeros, **kw)
+    four = _run(torch.optim.Adam, "naive", cfg, 4, faults=FAULTS, zeros=four_zeros, **kw)
+    _assert_same(one, four)
+    assert one_zeros == four_zeros
+    for i, (z, f) in enumerate(zip(one_zeros, one["flags"])):
+        assert z >= (i % 4 + 1) * 32 if f else z >= 0  # the zeroed rows at least
+    assert len(set(one_zeros)) > 1  # counted per step
 
 
 @pytest.mark.parametrize("mode, cfg", MODES, ids=MODE_IDS)
@@ -276,8 +301,6 @@ def test_step_chunks_errors():
         convert(step_chunks=0)
     with pytest.raises(ValueError, match="keeps no master weights; it applies to"):
         convert(mode="torch", step_chunks=2)
-    with pytest.raises(ValueError, match="cannot be combined with `log_num_zeros_in_grad`"):
-        convert(step_chunks=2, log_num_zeros_in_grad=True)
     with pytest.raises(ValueError, match="cannot be combined with `num_losses`"):
         convert(mode="apex", opt_level="O2", num_losses=2, verbosity=0, step_chunks=2)
     with pytest.raises(ValueError, match=r"got torch\.optim\.lbfgs\.LBFGS"):

@@ -156,12 +156,14 @@ def fsdp_runs(labels):
 
 
 def chunk_runs():
-    """naive, O2 and naive with its clip_grad key under FSDP2, with ``step_chunks`` 1 and
-    3, an inf in the last rank's shard at the inject step: the chunked step must decide
-    and take every step as the unchunked one, bit for bit (the clipping norm too)."""
+    """naive, O2, naive with its clip_grad key, and with clip_grad and
+    log_num_zeros_in_grad, under FSDP2, with ``step_chunks`` 1 and 3, an inf in the last
+    rank's shard at the inject step: the chunked step must decide and take every step as
+    the unchunked one, bit for bit (the clipping norm and the zero count too)."""
     mesh = mesh_1d()
     rows = slice(rank * tm.BATCH // world, (rank + 1) * tm.BATCH // world)
-    for label, kw in (("naive", {}), ("O2", {}), ("naive-clip", {"clip_grad": tm.CLIP})):
+    for label, kw in (("naive", {}), ("O2", {}), ("naive-clip", {"clip_grad": tm.CLIP}),
+                      ("naive-zeros", {"clip_grad": tm.CLIP, "log_num_zeros_in_grad": True})):
         for k in (1, 3):
             net = shard(tm.make_model(), mesh, label.split("-")[0])
             model, opt, crit = convert(net, label.split("-")[0], step_chunks=k, **kw)
@@ -174,6 +176,7 @@ def chunk_runs():
             results[f"{label}-chunks{k}"] = {
                 "report": report, "losses": losses, "skip_exact": skips, "calls": len(calls),
                 "grad_norm": opt.grad_norm,
+                "zeros": None if opt.num_zeros_in_grad is None else int(opt.num_zeros_in_grad),
                 "params": full_state(net, opt),
                 # in param order: a chunked step creates the state in chunk order
                 "snapshot": [local(t).detach().clone() for q in opt._owned

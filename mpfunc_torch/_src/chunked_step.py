@@ -18,7 +18,7 @@ bytes/param instead of 18, and the result is bit for bit that of one step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -26,9 +26,11 @@ import torch
 from mpfunc_torch._src import fused
 from mpfunc_torch._src.clipping import (
     Norms,
+    ZeroCounts,
     clip_grads_with_norm_,
     global_grad_norm,
     grad_norms,
+    grad_zero_counts,
 )
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.grads import (
@@ -52,6 +54,7 @@ __all__ = [
     "step_in_chunks_",
     "ChunkedStep",
     "prepare_chunked_step_",
+    "visit_chunks_",
 ]
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
@@ -65,6 +68,8 @@ class ChunkedStep(NamedTuple):
     chunks: list         # the dense pairs in about ``step_chunks`` chunks
     inv_scale: torch.Tensor | None
     clip: tuple[float, torch.Tensor] | None  # (max_norm, total norm) with clip_grad
+    zeros: ZeroCounts | None  # with log_num_zeros_in_grad: filled by ``visit``
+    visit: Callable[[list], None] | None  # counts the zeros of the grads it is shown
 
 
 # torch.optim classes whose step updates each param from its own grad and state only, so
@@ -150,19 +155,31 @@ def _make_master_grads_(chunk: Pairs, inv_scale: torch.Tensor | None,
         fused.unscale_and_check_([local(m.grad) for _, m in chunk], found_inf, inv_scale)
 
 
-def norms_in_chunks(chunks: Sequence[Pairs], index_of: dict[int, int],
-                    inv_scale: torch.Tensor | None, norm_type: float) -> Norms:
-    """The `grad_norms` of the unscaled float32 master grads, keyed by ``index_of[id(
-    master)]``, each chunk's grads made and freed in turn (the half grads stay)."""
-    out: Norms = {}
+def visit_chunks_(chunks: Sequence[Pairs], inv_scale: torch.Tensor | None,
+                  visit: Callable[[list], None],
+                  clip: tuple[float, torch.Tensor] | None = None) -> None:
+    """For each chunk: makes its float32 master grads (unscaled by ``inv_scale``, then
+    clipped with ``clip``'s ``(max_norm, total_norm)``), calls ``visit(masters)``, and
+    frees them. The half grads stay; nothing steps."""
     scratch = torch.zeros((), dtype=torch.float32,
                           device=inv_scale.device if inv_scale is not None else None)
     for chunk in chunks:
         _make_master_grads_(chunk, inv_scale, scratch)
         masters = [m for _, m in chunk]
-        out.update(grad_norms(masters, norm_type, [index_of[id(m)] for m in masters]))
+        if clip is not None:
+            clip_grads_with_norm_(masters, *clip)
+        visit(masters)
         for m in masters:
             m.grad = None
+
+
+def norms_in_chunks(chunks: Sequence[Pairs], index_of: dict[int, int],
+                    inv_scale: torch.Tensor | None, norm_type: float) -> Norms:
+    """The `grad_norms` of the unscaled float32 master grads, keyed by ``index_of[id(
+    master)]``, each chunk's grads made and freed in turn (the half grads stay)."""
+    out: Norms = {}
+    visit_chunks_(chunks, inv_scale, lambda masters: out.update(
+        grad_norms(masters, norm_type, [index_of[id(m)] for m in masters])))
     return out
 
 
@@ -201,13 +218,15 @@ def clip_in_chunks_(chunks: Sequence[Pairs], ready: Sequence[torch.Tensor],
 
 def step_in_chunks_(chunks: Sequence[Pairs], ready: Sequence[torch.Tensor],
                     inv_scale: torch.Tensor | None, found_inf: torch.Tensor,
-                    step: Any, clip: tuple[float, torch.Tensor] | None = None) -> None:
+                    step: Any, clip: tuple[float, torch.Tensor] | None = None,
+                    visit: Callable[[list], None] | None = None) -> None:
     """Steps the masters chunk by chunk: for each chunk, its half grads -> float32 master
     grads (each half grad freed once copied), unscaled by ``inv_scale`` (None: not
     scaled); then ``step()`` (the inner optimizer, which skips every param whose grad is
     None); then those master grads are freed. ``ready`` (owned params whose grads exist
     and are unscaled already, see `split_for_chunked_step_`) step with the first chunk.
 
+    ``visit(masters)``, if given, sees each chunk's grads once clipped, before the step.
     Only one chunk's float32 grads exist at a time. The caller has checked every grad
     (`check_half_grads_`) before: the step must not start unless all are finite, or
     ``step`` must skip on ``found_inf`` itself (a fused optimizer, on the device).
@@ -221,6 +240,8 @@ def step_in_chunks_(chunks: Sequence[Pairs], ready: Sequence[torch.Tensor],
             p.grad = None
         if clip is not None:
             clip_grads_with_norm_([m for _, m in chunk], *clip)
+        if visit is not None:
+            visit([m for _, m in chunk])
         for q, g in zip(ready, held):
             q.grad = g if i == 0 else None
         step()
@@ -233,11 +254,14 @@ def step_in_chunks_(chunks: Sequence[Pairs], ready: Sequence[torch.Tensor],
 def prepare_chunked_step_(pairs: Pairs, owned: Sequence[torch.Tensor],
                           sources: Sequence[torch.Tensor], scaler: Any,
                           found_inf: torch.Tensor, groups: tuple, clip_groups: tuple,
-                          step_chunks: int, clip_grad: float | None) -> ChunkedStep:
+                          step_chunks: int, clip_grad: float | None,
+                          count_zeros: bool = False) -> ChunkedStep:
     """Everything the chunked step settles before any chunk steps: the check
     (`check_for_chunks_`, ``found_inf`` zeroed first and reduced over ``groups``), the
     chunks, and with ``clip_grad`` the global norm (`clip_in_chunks_`, over
-    ``clip_groups``). The scale's reciprocal is taken once, for the whole step."""
+    ``clip_groups``). The scale's reciprocal is taken once, for the whole step. With
+    ``count_zeros`` the ``ready`` grads' zeros are counted now and ``visit`` counts
+    each chunk's (after clipping, as the unchunked step counts them)."""
     found_inf.zero_()
     inv = inv_scale_or_none(scaler)
     dense, ready = check_for_chunks_(pairs, owned, scaler, inv, found_inf)
@@ -247,4 +271,12 @@ def prepare_chunked_step_(pairs: Pairs, owned: Sequence[torch.Tensor],
     if clip_grad:
         clip = float(clip_grad), clip_in_chunks_(chunks, ready, owned, sources, clip_groups,
                                                  inv, float(clip_grad))
-    return ChunkedStep(dense, ready, chunks, inv, clip)
+    zeros, visit = None, None
+    if count_zeros:
+        zeros, index_of = {}, {id(q): i for i, q in enumerate(owned)}
+
+        def visit(tensors: list) -> None:
+            zeros.update(grad_zero_counts(tensors, [index_of[id(t)] for t in tensors]))
+
+        visit(ready)
+    return ChunkedStep(dense, ready, chunks, inv, clip, zeros, visit)

@@ -28,7 +28,7 @@ from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.sharding import is_dtensor, local
 
 __all__ = ["mark_replicated", "replicated_over", "clip_grad_norm_", "global_grad_norm",
-           "grad_norms", "clip_grads_with_norm_"]
+           "grad_norms", "clip_grads_with_norm_", "global_zero_count", "grad_zero_counts"]
 
 _ATTR = "_mpfunc_replicated_over"
 
@@ -265,23 +265,43 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
 
-def _zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Exactly-zero elements of ``grads`` (this rank's parts; a sparse gradient counts
-    its dense size less its non-zero values), float64 so the count is exact."""
-    total = sum(local(g).numel() for g in grads)
-    values = [_values(g) for g in grads]
-    nonzero = torch.zeros((), dtype=torch.float64, device=device)
-    for group in _by_device_dtype(values).values():
-        nonzero = nonzero + torch.stack(
-            torch._foreach_norm(group, 0, dtype=torch.float64)).sum().to(device)
-    return total - nonzero
+ZeroCounts = dict[int, torch.Tensor]  # param index -> its float64 zero count
+
+
+def grad_zero_counts(params: Sequence[torch.Tensor],
+                     index: Sequence[int] | None = None) -> ZeroCounts:
+    """Exactly-zero elements of each param's local gradient (this rank's part; a sparse
+    gradient counts its dense size less its non-zero values), float64 so the count is
+    exact, one ``_foreach_norm(..., 0)`` per (device, dtype), keyed by ``index[i]``
+    (default ``i``). Counts taken in parts (the chunked step) are those taken at once."""
+    index = list(range(len(params))) if index is None else list(index)
+    groups: dict[tuple, list] = {}
+    for i, p in zip(index, params):
+        if p.grad is not None:
+            v = _values(p.grad)
+            groups.setdefault((v.device, v.dtype), []).append((i, v, local(p.grad).numel()))
+    out: ZeroCounts = {}
+    for items in groups.values():
+        nonzero = torch._foreach_norm([v for _, v, _ in items], 0, dtype=torch.float64)
+        out.update((i, n - nz) for (i, _, n), nz in zip(items, nonzero))
+    return out
+
+
+def _sum_counts(indices: Sequence[int], counts: ZeroCounts, device: Any) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for i in indices:
+        total = total + counts[i].to(device)
+    return total
 
 
 def global_zero_count(params: Iterable[torch.Tensor], *, process_group: Any = None,
-                      mark_sources: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+                      mark_sources: Sequence[torch.Tensor] | None = None,
+                      counts: ZeroCounts | None = None) -> torch.Tensor:
     """Exactly-zero gradient elements of ``params`` over every rank that holds a part of
     them, each element counted once: Megatron's ``num_zeros_in_grad``, reduced like
     `global_grad_norm` (DTensor meshes, ``process_group``, `mark_replicated`).
+    ``counts`` (`grad_zero_counts`, keyed by index in ``params``) are used for gradients
+    that no longer exist (the chunked master-weight step).
 
     Returns:
       An int64 0-dim tensor on the params' device, equal on every rank (no host sync).
@@ -289,11 +309,14 @@ def global_zero_count(params: Iterable[torch.Tensor], *, process_group: Any = No
     groups, params, sources, device = _arguments(params, process_group, mark_sources)
     if not params:
         return torch.zeros((), dtype=torch.int64)
-    plain, meshes = _distributed_parts(params, sources)
-    total = _zeros([params[i].grad for i in plain], device)
+    counted = None if counts is None else set(counts)
+    if counts is None:
+        counts = grad_zero_counts(params)
+    plain, meshes = _distributed_parts(params, sources, counted)
+    total = _sum_counts(plain, counts, device)
     sum_op = torch.distributed.ReduceOp.SUM
     for mesh, items in meshes:
-        part = _zeros([params[i].grad for i in items], device)
+        part = _sum_counts(items, counts, device)
         for d in range(mesh.ndim):
             torch.distributed.all_reduce(part, op=sum_op, group=mesh.get_group(d))
         total = total + part

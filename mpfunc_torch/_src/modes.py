@@ -224,10 +224,11 @@ def convert_to_amp(
         `AmpOptimizer.unscale_` or ``clip_grad_norm`` before ``step`` to have them all,
         which makes that step unchunked). Needs a ``torch.optim`` optimizer that updates
         each param from its own state (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop,
-        Rprop, Adagrad, Adadelta, ASGD, Adafactor, Muon), one loss, and no
-        ``log_num_zeros_in_grad``. The ``clip_grad`` key works: the norm is taken from
-        the chunks in a first pass (one more copy of the half grads). Default 1: one
-        step over all params.
+        Rprop, Adagrad, Adadelta, ASGD, Adafactor, Muon) and one loss. The ``clip_grad``
+        key works: the norm is taken from the chunks in a first pass (one more copy of
+        the half grads). ``log_num_zeros_in_grad`` too: each chunk's zeros are counted
+        once its grads are unscaled and clipped (on a skipped step, in a counting pass
+        over the chunks). Default 1: one step over all params.
       **config: the mode's keys (above).
 
     Returns:
@@ -345,11 +346,9 @@ def _check_step_chunks(step_chunks: Any, plan: Any, optimizers: list, masters: A
     if not masters:
         raise ValueError(f"{where} chunks the float32 master grads, but {plan.describe()} "
                          "keeps no master weights; it applies to mode='naive' and apex O2.")
-    for key, value in (("num_losses", plan.num_losses > 1),
-                       ("log_num_zeros_in_grad", plan.log_num_zeros_in_grad)):
-        if value:
-            raise ValueError(f"{where} cannot be combined with `{key}`, which needs every "
-                             "unscaled float32 master grad at once; leave one of them out.")
+    if plan.num_losses > 1:
+        raise ValueError(f"{where} cannot be combined with `num_losses`, which needs every "
+                         "unscaled float32 master grad at once; leave one of them out.")
     for opt in optimizers:
         if type(opt) not in PER_PARAM_OPTIMIZERS:
             names = ", ".join(c.__name__ for c in PER_PARAM_OPTIMIZERS)

@@ -10,7 +10,11 @@ import torch
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import checkpoint, fused
-from mpfunc_torch._src.chunked_step import prepare_chunked_step_, step_in_chunks_
+from mpfunc_torch._src.chunked_step import (
+    prepare_chunked_step_,
+    step_in_chunks_,
+    visit_chunks_,
+)
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
     global_grad_norm,
@@ -363,7 +367,8 @@ class AmpOptimizer(WrappedOptimizer):
             if self._step_chunks > 1 and self._stage == _BACKWARD:
                 chunked = prepare_chunked_step_(
                     self._copy_order, self._owned, self._sources, scaler, found,
-                    self._groups, self._clip_groups, self._step_chunks, self.plan.clip_grad)
+                    self._groups, self._clip_groups, self._step_chunks, self.plan.clip_grad,
+                    count_zeros=bool(self.plan.log_num_zeros_in_grad))
                 self._found_inf_per_loss[0].copy_(found)
                 if chunked.clip is not None:
                     self.grad_norm = chunked.clip[1]
@@ -385,14 +390,21 @@ class AmpOptimizer(WrappedOptimizer):
             if (self._fused and not host_skip) or not found.item():
                 if chunked:
                     step_in_chunks_(chunked.chunks, chunked.ready, chunked.inv_scale, found,
-                                    inner, chunked.clip)
+                                    inner, chunked.clip, chunked.visit)
                 else:
                     inner()
                 copy_masters_to_model_(self._pairs)
             else:
+                if chunked and chunked.visit:  # count as a skipped unchunked step does
+                    visit_chunks_(chunked.chunks, chunked.inv_scale, chunked.visit,
+                                  chunked.clip)
                 for p, _ in chunked.dense if chunked else ():
                     p.grad = None
                 mark_step_called(self.optimizer)
+            if chunked and chunked.zeros is not None:
+                self.num_zeros_in_grad = global_zero_count(
+                    self._owned, process_group=self._clip_groups,
+                    mark_sources=self._sources, counts=chunked.zeros)
         stepped = found == 0
         self._shared.update_after_step(found, self._found_inf_per_loss)
         for f in self._found_inf_per_loss:
