@@ -31,7 +31,9 @@ def test_jax_scale_cost(tmp_path):
                "--rounds", "1", "--iters", "1", "--json", str(out), "--only",
                "mpfunc.dynamic_scale(adam)", "mpfunc.dynamic_scale(adam), float16 compute",
                "mpfunc.dynamic_scale(chain(clip_by_global_norm(1.0), adam))")
-    (depth,) = json.loads(out.read_text())["depths"]
+    r = json.loads(out.read_text())
+    assert r["compile_isolated"] is True  # each compile timed in a fresh process
+    (depth,) = r["depths"]
     rows = depth["rows"]
     assert len(rows) == 6  # three variants and their baselines
     for row in rows.values():
@@ -107,9 +109,10 @@ def test_jax_scale_cost_transformer(tmp_path):
     out = tmp_path / "r.json"
     run_script("jax_scale_cost.py", "--model", "transformer", "--depths", "1", "--batch", "2",
                "--compile-repeats", "1", "--rounds", "1", "--iters", "1", "--json", str(out),
-               "--only", "mode bf16", "mpfunc.dynamic_scale(adam), float16 compute")
+               "--only", "mode bf16", "mpfunc.dynamic_scale(adam), float16 compute",
+               "--compile-in-process")
     r = json.loads(out.read_text())
-    assert r["model"] == "transformer"
+    assert r["model"] == "transformer" and r["compile_isolated"] is False
     (depth,) = r["depths"]
     assert depth["leaves"] == 12  # ten per layer and the final LayerNorm's two
     for name in ("mode bf16", "mpfunc.dynamic_scale(adam), float16 compute"):
