@@ -55,6 +55,7 @@ __all__ = [
     "ChunkedStep",
     "prepare_chunked_step_",
     "visit_chunks_",
+    "finish_chunked_step_",
 ]
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
@@ -280,3 +281,17 @@ def prepare_chunked_step_(pairs: Pairs, owned: Sequence[torch.Tensor],
 
         visit(ready)
     return ChunkedStep(dense, ready, chunks, inv, clip, zeros, visit)
+
+
+def finish_chunked_step_(cs: ChunkedStep, found_inf: torch.Tensor, step: Any,
+                         take: bool) -> None:
+    """After `prepare_chunked_step_`: steps chunk by chunk (`step_in_chunks_`) if
+    ``take``, else (a skip decided on the host) frees the half grads, counting their
+    zeros first where ``cs.visit`` asks, as a skipped unchunked step counts them."""
+    if take:
+        step_in_chunks_(cs.chunks, cs.ready, cs.inv_scale, found_inf, step, cs.clip, cs.visit)
+        return
+    if cs.visit is not None:
+        visit_chunks_(cs.chunks, cs.inv_scale, cs.visit, cs.clip)
+    for p, _ in cs.dense:
+        p.grad = None

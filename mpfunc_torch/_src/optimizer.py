@@ -10,11 +10,7 @@ import torch
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import checkpoint, fused
-from mpfunc_torch._src.chunked_step import (
-    prepare_chunked_step_,
-    step_in_chunks_,
-    visit_chunks_,
-)
+from mpfunc_torch._src.chunked_step import finish_chunked_step_, prepare_chunked_step_
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
     global_grad_norm,
@@ -387,19 +383,14 @@ class AmpOptimizer(WrappedOptimizer):
             else:
                 inner = self.optimizer.step
             # a fused optimizer skips on the device; otherwise the one host read
-            if (self._fused and not host_skip) or not found.item():
-                if chunked:
-                    step_in_chunks_(chunked.chunks, chunked.ready, chunked.inv_scale, found,
-                                    inner, chunked.clip, chunked.visit)
-                else:
-                    inner()
+            take = (self._fused and not host_skip) or not found.item()
+            if chunked:
+                finish_chunked_step_(chunked, found, inner, take)
+            elif take:
+                inner()
+            if take:
                 copy_masters_to_model_(self._pairs)
             else:
-                if chunked and chunked.visit:  # count as a skipped unchunked step does
-                    visit_chunks_(chunked.chunks, chunked.inv_scale, chunked.visit,
-                                  chunked.clip)
-                for p, _ in chunked.dense if chunked else ():
-                    p.grad = None
                 mark_step_called(self.optimizer)
             if chunked and chunked.zeros is not None:
                 self.num_zeros_in_grad = global_zero_count(
