@@ -265,15 +265,16 @@ def global_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0, *,
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
 
-ZeroCounts = dict[int, torch.Tensor]  # param index -> its float64 zero count
+ZeroCounts = dict[int, tuple[int, torch.Tensor]]  # param index -> (numel, its non-zeros)
 
 
 def grad_zero_counts(params: Sequence[torch.Tensor],
                      index: Sequence[int] | None = None) -> ZeroCounts:
-    """Exactly-zero elements of each param's local gradient (this rank's part; a sparse
-    gradient counts its dense size less its non-zero values), float64 so the count is
-    exact, one ``_foreach_norm(..., 0)`` per (device, dtype), keyed by ``index[i]``
-    (default ``i``). Counts taken in parts (the chunked step) are those taken at once."""
+    """What the zero count of each param's local gradient needs (this rank's part): its
+    element count and its non-zero count (float64, exact; a sparse gradient's dense size
+    and its non-zero values), one ``_foreach_norm(..., 0)`` per (device, dtype), keyed by
+    ``index[i]`` (default ``i``). Counts taken in parts (the chunked step) are those
+    taken at once."""
     index = list(range(len(params))) if index is None else list(index)
     groups: dict[tuple, list] = {}
     for i, p in zip(index, params):
@@ -283,15 +284,17 @@ def grad_zero_counts(params: Sequence[torch.Tensor],
     out: ZeroCounts = {}
     for items in groups.values():
         nonzero = torch._foreach_norm([v for _, v, _ in items], 0, dtype=torch.float64)
-        out.update((i, n - nz) for (i, _, n), nz in zip(items, nonzero))
+        out.update((i, (n, nz)) for (i, _, n), nz in zip(items, nonzero))
     return out
 
 
 def _sum_counts(indices: Sequence[int], counts: ZeroCounts, device: Any) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for i in indices:
-        total = total + counts[i].to(device)
-    return total
+    """The zeros of the gradients of ``indices``: their element count less one stacked
+    sum of their non-zero counts (float64)."""
+    if not indices:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    numel = sum(counts[i][0] for i in indices)
+    return numel - torch.stack([counts[i][1].to(device) for i in indices]).sum()
 
 
 def global_zero_count(params: Iterable[torch.Tensor], *, process_group: Any = None,
