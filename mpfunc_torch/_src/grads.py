@@ -93,3 +93,15 @@ def add_back_unscaled_(owned, sources, stash, scaler, found_inf: torch.Tensor) -
         else:
             total = old.add_(g)
         q.grad = total.coalesce() if total is not None and total.is_sparse else total
+
+
+def zero_grads_(params: Sequence[torch.Tensor], set_to_none: bool) -> None:
+    """``Optimizer.zero_grad`` over ``params`` (each distinct tensor once)."""
+    for p in {id(t): t for t in params}.values():
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.detach_()
+            p.grad.zero_()

@@ -3,20 +3,20 @@ around a torch optimizer."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import checkpoint, fused
-from mpfunc_torch._src.chunked_step import finish_chunked_step_, prepare_chunked_step_
+from mpfunc_torch._src.chunked_step import prepare_chunked_step_
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
     global_grad_norm,
     global_zero_count,
 )
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
+from mpfunc_torch._src.exact_skip import step_in_kernel_, take_or_drop_
 from mpfunc_torch._src.grads import (
     add_back_unscaled_,
     check_,
@@ -25,11 +25,11 @@ from mpfunc_torch._src.grads import (
     inv_scale_or_none,
     set_aside_,
     unscale_checked_,
+    zero_grads_,
 )
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.master_weights import (
     copy_grads_to_masters_,
-    copy_masters_to_model_,
     follow_model_writes_,
     largest_first,
     model_versions,
@@ -38,7 +38,7 @@ from mpfunc_torch._src.master_weights import (
 )
 from mpfunc_torch._src.sharding import mesh_groups
 from mpfunc_torch._src.shared_scale import SharedScale
-from mpfunc_torch._src.wrapped_optimizer import WrappedOptimizer, mark_step_called
+from mpfunc_torch._src.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["AmpOptimizer"]
 
@@ -351,13 +351,9 @@ class AmpOptimizer(WrappedOptimizer):
             self._sgd_first and fused.fused_sgd_first_step_pending(self.optimizer))
         found = self._found_inf
         if self._kernel_unscales and self._stage == _BACKWARD and not host_skip:
-            # Pass 1: check only (inv_scale 1). Pass 2: the fused optimizer unscales,
-            # skips on found_inf and undoes its step count, all on the device.
-            found.zero_()
-            check_(grads_of(self._owned), found)
-            all_reduce_found_inf_(found, self._groups)  # the path ShardedGradScaler misses
-            grad_scale = scaler.scale if scaler.kind != "none" else None
-            fused.step_with_found_inf_(self.optimizer, grad_scale, found)
+            step_in_kernel_(self.optimizer, self._owned,
+                            scaler.scale if scaler.kind != "none" else None, found,
+                            self._groups)
         else:
             chunked = None
             if self._step_chunks > 1 and self._stage == _BACKWARD:
@@ -377,21 +373,8 @@ class AmpOptimizer(WrappedOptimizer):
                     self.num_zeros_in_grad = global_zero_count(
                         self._owned, process_group=self._clip_groups,
                         mark_sources=self._sources)
-            if self._fused:
-                inner = functools.partial(fused.step_with_found_inf_, self.optimizer, None,
-                                          found)
-            else:
-                inner = self.optimizer.step
-            # a fused optimizer skips on the device; otherwise the one host read
-            take = (self._fused and not host_skip) or not found.item()
-            if chunked:
-                finish_chunked_step_(chunked, found, inner, take)
-            elif take:
-                inner()
-            if take:
-                copy_masters_to_model_(self._pairs)
-            else:
-                mark_step_called(self.optimizer)
+            take_or_drop_(self.optimizer, found, self._pairs, in_kernel=self._fused,
+                          host_skip=host_skip, chunked=chunked)
             if chunked and chunked.zeros is not None:
                 self.num_zeros_in_grad = global_zero_count(
                     self._owned, process_group=self._clip_groups,
@@ -408,15 +391,7 @@ class AmpOptimizer(WrappedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears model and master gradients and starts a new accumulation."""
         self._pending = None
-        params = {id(t): t for t in self._owned + self._sources}.values()
-        for p in params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_()
-                p.grad.zero_()
+        zero_grads_(self._owned + self._sources, set_to_none)
         self._stage = _READY
         self._last = "zero_grad"
         self._grads_unscaled = False
