@@ -27,15 +27,9 @@ from mpfunc._src.autocast import AutocastLists, autocast
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.distributed import all_finite
 from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
-from mpfunc._src.fp8 import (
-    Fp8DotState,
-    Fp8Meta,
-    dequantize_fp8,
-    fp8_dot,
-    fp8_dot_state,
-    quantize_fp8,
-)
+from mpfunc._src.fp8 import Fp8DotState, Fp8Meta, fp8_dot, fp8_dot_state
 from mpfunc._src.fp8_convert import Fp8Function, convert_to_fp8
+from mpfunc._src.fp8_quantize import dequantize_fp8, quantize_fp8
 from mpfunc._src.loss_scale import (
     chain,
     dynamic_scale,

@@ -1,4 +1,5 @@
-"""fp8 quantisation: JAX and torch against a plain NumPy reference, and against each other.
+"""Tests for mpfunc._src.fp8_quantize and mpfunc_torch._src.fp8_quantize: fp8 quantisation,
+JAX and torch against a plain NumPy reference, and against each other.
 
 Both sides implement ``_mpfunc_common.fp8.QUANTIZE_RULE``; the reference
 (tests/fp8_reference.py) is written from the rule alone, with ml_dtypes' fp8 types.

@@ -21,7 +21,8 @@ import numpy as np
 
 from _mpfunc_common.fp8 import resolve_recipe
 from mpfunc._src.autocast import AutocastLists, _Rules
-from mpfunc._src.fp8 import AxisName, Fp8DotState, fp8_dot, fp8_dot_state
+from mpfunc._src.fp8 import Fp8DotState, fp8_dot, fp8_dot_state
+from mpfunc._src.fp8_quantize import AxisName
 from mpfunc._src.rewrite import INLINE, Literal, Rewriter
 
 __all__ = ["Fp8Function", "convert_to_fp8", "fp8_mode_apply"]

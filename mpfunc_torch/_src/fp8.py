@@ -1,12 +1,12 @@
-"""fp8 quantisation and the fp8 linear for PyTorch (the rule in `_mpfunc_common.fp8`).
+"""The fp8 linear for PyTorch, with current or delayed scaling (the rule in
+`_mpfunc_common.fp8`).
 
-`quantize_fp8` / `dequantize_fp8` follow ``_mpfunc_common.fp8.QUANTIZE_RULE`` exactly, so they
-give the same bits as ``mpfunc``'s (JAX). `fp8_linear` is an ``autograd.Function``:
-inputs and weights in the recipe's forward format, output gradients in its backward
-format. On CPU (and GPUs without fp8) each GEMM is emulated: dequantise, then multiply
-in float32. On CUDA with compute capability >= 8.9, per-tensor and rowwise GEMMs run on
-``torch._scaled_mm``, wrapped in one place with torch's other private kernels
-(`mpfunc_torch._src.fused.scaled_mm`).
+Quantisation itself is in `mpfunc_torch._src.fp8_quantize`. `fp8_linear` is an
+``autograd.Function``: inputs and weights in the recipe's forward format, output
+gradients in its backward format. On CPU (and GPUs without fp8) each GEMM is emulated:
+dequantise, then multiply in float32. On CUDA with compute capability >= 8.9,
+per-tensor and rowwise GEMMs run on ``torch._scaled_mm``, wrapped in one place with
+torch's other private kernels (`mpfunc_torch._src.fused.scaled_mm`).
 """
 
 from __future__ import annotations
@@ -14,190 +14,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from _mpfunc_common.fp8 import (
-    FLOAT32_MIN_NORMAL,
-    FP8_MAX,
-    QUANTIZE_RULE,
-    Fp8Recipe,
-    scale_shape,
+from _mpfunc_common.fp8 import FP8_MAX, Fp8Recipe
+from mpfunc_torch._src.fp8_quantize import (
+    all_reduce_max,
+    block_amax,
+    dequantize_fp8,
+    quantize_with,
+    scale_from_amax,
 )
-from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.fused import scaled_mm, scaled_mm_available, scaled_mm_fits
 
-__all__ = ["quantize_fp8", "dequantize_fp8", "fp8_linear"]
+__all__ = ["fp8_linear"]
 
-_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _F32 = torch.float32
-# Scales stay in [2**-126, 2**126], so they and their reciprocals are normal floats.
-_MIN_SCALE, _MAX_SCALE = 2.0**-126, 2.0**126
-# Bit patterns of (NaN, +inf, -inf): e4m3fn has no inf, so +-inf become its NaNs.
-_NONFINITE_BITS = {"float8_e4m3fn": (0x7F, 0x7F, 0xFF), "float8_e5m2": (0x7E, 0x7C, 0xFC)}
-_MANTISSA_OFF = -8388608  # 0xFF800000 as an int32: sign and exponent bits of a float32
-
-
-def _fp8_name(dtype: Any) -> str:
-    if isinstance(dtype, torch.dtype):
-        name = str(dtype).removeprefix("torch.")
-    else:
-        name = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}.get(dtype, dtype)
-    if name not in _DTYPES:
-        raise ValueError(f"`dtype` must be float8_e4m3fn or float8_e5m2, got {dtype!r}.")
-    return name
-
-
-def _all_reduce_max(x: torch.Tensor, groups) -> torch.Tensor:
-    for group in groups:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    return x
-
-
-# ------------------------------------------------------------------------- the rule
-def _as_2d(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(1, -1) if x.dim() < 2 else x.reshape(-1, x.shape[-1])
-
-
-def _tiled(x2d: torch.Tensor, block):
-    """(R, C) -> (nR, br, nC, bc), zero-padded; zeros never change an amax."""
-    r, c = x2d.shape
-    br = r if block[0] is None else block[0]
-    bc = c if block[1] is None else block[1]
-    nr, nc = -(-r // br), -(-c // bc)
-    if (nr * br, nc * bc) != (r, c):
-        x2d = torch.nn.functional.pad(x2d, (0, nc * bc - c, 0, nr * br - r))
-    return x2d.reshape(nr, br, nc, bc), (r, c)
-
-
-def _untiled(t: torch.Tensor, info) -> torch.Tensor:
-    r, c = info
-    nr, br, nc, bc = t.shape
-    return t.reshape(nr * br, nc * bc)[:r, :c]
-
-
-def _amax(x: torch.Tensor, block) -> torch.Tensor:
-    """max |x| per block (float32), a NaN counting as +inf (as on the JAX side)."""
-    a = _flush(x.detach().to(_F32)).abs()
-    a = torch.where(a.isnan(), torch.tensor(float("inf"), device=a.device), a)
-    if block is None:
-        return a.amax() if a.numel() else torch.zeros((), device=a.device)
-    t, _ = _tiled(_as_2d(a), block)
-    return t.amax(dim=(1, 3))
-
-
-def _scale(amax: torch.Tensor, fp8_max: float, margin: int, power_of_2: bool,
-           fallback) -> torch.Tensor:
-    s = torch.tensor(fp8_max, dtype=_F32, device=amax.device) / amax
-    if margin:
-        s = s / torch.tensor(2.0**margin, dtype=_F32, device=amax.device)
-    s = s.clamp(_MIN_SCALE, _MAX_SCALE)
-    if power_of_2:  # clear the mantissa: 2**floor(log2(s)), exactly (s is normal)
-        s = (s.view(torch.int32) & _MANTISSA_OFF).view(_F32)
-    ok = torch.isfinite(amax) & (amax > 0)
-    if not isinstance(fallback, torch.Tensor):
-        fallback = torch.tensor(fallback, dtype=_F32, device=amax.device)
-    return torch.where(ok, s, fallback)
-
-
-def _cast(y: torch.Tensor, name: str) -> torch.Tensor:
-    m = FP8_MAX[name]
-    finite = torch.isfinite(y)
-    q = torch.where(finite, y.clamp(-m, m), 0.0).to(_DTYPES[name])  # saturate
-    # torch's cast saturates inf in e4m3fn and encodes NaN differently from XLA: the
-    # non-finite bit patterns are written explicitly (the rule's encodings).
-    nan, pos_inf, neg_inf = _NONFINITE_BITS[name]
-    special = torch.where(y.isnan(), nan, torch.where(y > 0, pos_inf, neg_inf))
-    return torch.where(finite, q.view(torch.uint8), special.to(torch.uint8)).view(q.dtype)
-
-
-def _flush(x: torch.Tensor) -> torch.Tensor:
-    """float32 subnormals -> 0, as XLA computes on CPU (torch keeps them)."""
-    return torch.where(x.abs() < FLOAT32_MIN_NORMAL, 0.0, x)
-
-
-def _quantize_with(x: torch.Tensor, scale: torch.Tensor, block, name: str) -> torch.Tensor:
-    x = _flush(x.detach().to(_F32))
-    if block is None:
-        return _cast(x * scale, name)
-    t, info = _tiled(_as_2d(x), block)
-    q = _cast(t * scale[:, None, :, None], name)
-    return _untiled(q, info).reshape(x.shape)
-
-
-def quantize_fp8(
-    x: torch.Tensor,
-    dtype: Any = "float8_e4m3fn",
-    block: tuple[int | None, int | None] | None = None,
-    *,
-    margin: int = 0,
-    power_of_2_scales: bool = False,
-    process_group: Any = None,
-    scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantises ``x`` to fp8 with current scaling; bit-identical to ``mpfunc``'s.
-
-    The rule (shared with JAX, word for word):
-
-    {rule}
-
-    Args:
-      x: a floating tensor; with a ``block`` its leading dims are flattened (the last
-        dim is the contraction dim).
-      dtype: ``"float8_e4m3fn"`` (``"e4m3"``), ``"float8_e5m2"`` (``"e5m2"``) or the
-        torch dtype.
-      block: None (one scale for the whole tensor) or ``(rows, cols)`` tiles, None
-        meaning the whole dimension (``(1, None)``: one scale per row).
-      margin: scales are divided by ``2**margin``.
-      power_of_2_scales: round scales down to powers of two.
-      process_group: a group (or a list of them) to MAX-reduce the amax over
-        (per-tensor scales only).
-      scale: use these float32 scales (e.g. delayed scaling's) instead of computing
-        them; values beyond the range then saturate.
-
-    Returns:
-      ``(q, scale)``: the fp8 tensor (shape of ``x``) and the float32 scales, shape
-      ``()`` or ``(row tiles, col tiles)``; ``x ~= q * (1 / scale)``.
-
-    Examples:
-      >>> import torch, mpfunc_torch
-      >>> q, s = mpfunc_torch.quantize_fp8(torch.tensor([1.0, -2.0, 4.0]), "e4m3")
-      >>> q.dtype, float(s), mpfunc_torch.dequantize_fp8(q, s).tolist()
-      (torch.float8_e4m3fn, 112.0, [1.0, -2.0, 4.0])
-    """
-    name = _fp8_name(dtype)
-    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
-        raise TypeError(f"`x` must be a floating tensor, got {getattr(x, 'dtype', type(x))}.")
-    groups = normalize_groups(process_group)
-    if block is not None and groups:
-        raise ValueError("`process_group` applies to per-tensor scales only (`block=None`); "
-                         "row and tile scales are local to the rows they scale.")
-    if scale is None:
-        amax = _all_reduce_max(_amax(x, block), groups)
-        scale = _scale(amax, FP8_MAX[name], margin, power_of_2_scales, 1.0)
-    else:
-        scale = torch.as_tensor(scale, dtype=_F32, device=x.device)
-        want = scale_shape(tuple(x.shape), block)
-        if tuple(scale.shape) != want:
-            raise ValueError(f"`scale` must have shape {want} for this block, got "
-                             f"{tuple(scale.shape)}.")
-    return _quantize_with(x, scale, block, name), scale
-
-
-quantize_fp8.__doc__ = quantize_fp8.__doc__.replace("{rule}", QUANTIZE_RULE.strip())
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block=None,
-               dtype: torch.dtype = _F32) -> torch.Tensor:
-    """``float32(q) * (1 / scale)`` per block (the reciprocal rounded to float32), cast to
-    ``dtype``; the inverse of `quantize_fp8` up to fp8 rounding."""
-    inv = torch.reciprocal(scale.to(_F32))
-    v = q.to(_F32)
-    if block is None:
-        out = v * inv
-    else:
-        t, info = _tiled(_as_2d(v), block)
-        out = _untiled(t * inv[:, None, :, None], info).reshape(q.shape)
-    return _flush(out).to(dtype)
 
 
 # ---------------------------------------------------------------- the fp8 linear
@@ -209,12 +39,12 @@ class _Operand:
         name = recipe.dtype(role)
         self.block = recipe.block(role)
         if scale is None:
-            amax = _amax(x2d, self.block)
+            amax = block_amax(x2d, self.block)
             if self.block is None:
-                amax = _all_reduce_max(amax, groups)
-            scale = _scale(amax, FP8_MAX[name], recipe.margin, recipe.power_of_2_scales, 1.0)
+                amax = all_reduce_max(amax, groups)
+            scale = scale_from_amax(amax, FP8_MAX[name], recipe.margin, recipe.power_of_2_scales, 1.0)
         self.scale = scale
-        self.q = _quantize_with(x2d, scale, self.block, name)
+        self.q = quantize_with(x2d, scale, self.block, name)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_fp8(self.q, self.scale, self.block)
@@ -234,13 +64,13 @@ def _delayed_scale(x: torch.Tensor, layer, role: str, recipe: Fp8Recipe, groups)
     """This step's scale from ``layer``'s history; updates the buffers in place."""
     hist = getattr(layer, f"fp8_amax_history_{role}")
     prev = getattr(layer, f"fp8_scale_{role}")
-    amax = _amax(x, None)
+    amax = block_amax(x, None)
     if hasattr(amax, "full_tensor"):  # a DTensor operand (tensor parallelism): its amax
         amax = amax.full_tensor()     # over the whole tensor, as the history records it
-    amax = _all_reduce_max(amax, groups)
+    amax = all_reduce_max(amax, groups)
     used = hist.max() if recipe.amax_reduction == "max" else hist[0]
     used = torch.where(torch.isfinite(used) & (used > 0), used, amax)  # no history yet
-    scale = _scale(used, FP8_MAX[recipe.dtype(role)], recipe.margin,
+    scale = scale_from_amax(used, FP8_MAX[recipe.dtype(role)], recipe.margin,
                    recipe.power_of_2_scales, prev)
     rolled = torch.cat([amax.reshape(1), hist[:-1]])
     hist.copy_(torch.where(torch.isfinite(amax), rolled, hist))

@@ -1,0 +1,194 @@
+"""fp8 quantisation for JAX: the rule in `_mpfunc_common.fp8`, bit for bit with torch's.
+
+`quantize_fp8` / `dequantize_fp8` follow ``_mpfunc_common.fp8.QUANTIZE_RULE`` exactly, so
+they give the same bits as ``mpfunc_torch``'s (``mpfunc_torch/_src/fp8_quantize.py``).
+`mpfunc._src.fp8` builds the fp8 dot and delayed scaling on the helpers here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from _mpfunc_common.fp8 import FLOAT32_MIN_NORMAL, FP8_MAX, QUANTIZE_RULE, scale_shape
+from mpfunc._src.distributed import _varying_axes
+
+__all__ = ["AxisName", "block_amax", "dequantize_fp8", "flush_subnormals", "fp8_name",
+           "pmax_over", "quantize_fp8", "quantize_with", "scale_from_amax"]
+
+_DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
+_F32 = jnp.float32
+# Scales stay in [2**-126, 2**126], so they and their reciprocals are normal floats.
+_MIN_SCALE, _MAX_SCALE = 2.0**-126, 2.0**126
+AxisName = Hashable | Sequence[Hashable] | None
+
+
+def fp8_name(dtype: Any):
+    if isinstance(dtype, str):
+        name = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}.get(dtype, dtype)
+    else:
+        try:
+            name = jnp.dtype(dtype).name
+        except TypeError:
+            name = None
+    if name not in _DTYPES:
+        raise ValueError(f"`dtype` must be float8_e4m3fn or float8_e5m2, got {dtype!r}.")
+    return name
+
+
+def pmax_over(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """MAX over ``axis_name``, over the axes ``x`` varies on (all of them without vma)."""
+    if axis_name is None:
+        return x
+    axes = tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+    varying = _varying_axes(x)
+    if varying:
+        axes = tuple(a for a in axes if a in varying)
+        return jax.lax.pmax(x, axes) if axes else x
+    try:
+        return jax.lax.pmax(x, axes)
+    except ValueError:  # typed invariant over every axis: the same on all shards already
+        return x
+
+
+def _tiled(x2d: jax.Array, block) -> tuple[jax.Array, tuple[int, int, int, int]]:
+    """(R, C) -> (nR, br, nC, bc), zero-padded; zeros never change an amax."""
+    r, c = x2d.shape
+    br = r if block[0] is None else block[0]
+    bc = c if block[1] is None else block[1]
+    nr, nc = -(-r // br), -(-c // bc)
+    if (nr * br, nc * bc) != (r, c):
+        x2d = jnp.pad(x2d, ((0, nr * br - r), (0, nc * bc - c)))
+    return x2d.reshape(nr, br, nc, bc), (r, c, br, bc)
+
+
+def _untiled(t: jax.Array, info) -> jax.Array:
+    r, c, _, _ = info
+    nr, br, nc, bc = t.shape
+    return t.reshape(nr * br, nc * bc)[:r, :c]
+
+
+def _as_2d(x: jax.Array) -> jax.Array:
+    return x.reshape(1, -1) if x.ndim < 2 else x.reshape(-1, x.shape[-1])
+
+
+def block_amax(x: jax.Array, block) -> jax.Array:
+    """max |x| per block (float32), a NaN counting as +inf.
+
+    NaN is mapped to inf first because XLA's CPU reduction (the YNNPACK fusion) does not
+    propagate NaN through ``max``.
+    """
+    a = jnp.abs(flush_subnormals(x.astype(_F32)))
+    a = jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, _F32), a)
+    if block is None:
+        return jnp.max(a)
+    t, _ = _tiled(_as_2d(a), block)
+    return jnp.max(t, axis=(1, 3))
+
+
+def scale_from_amax(amax: jax.Array, fp8_max: float, margin: int, power_of_2: bool, fallback):
+    s = jnp.asarray(fp8_max, _F32) / amax
+    if margin:
+        s = s / jnp.asarray(2.0**margin, _F32)
+    s = jnp.clip(s, jnp.asarray(_MIN_SCALE, _F32), jnp.asarray(_MAX_SCALE, _F32))
+    if power_of_2:  # clear the mantissa: 2**floor(log2(s)), exactly (s is normal)
+        bits = jax.lax.bitcast_convert_type(s, jnp.uint32) & jnp.uint32(0xFF800000)
+        s = jax.lax.bitcast_convert_type(bits, _F32)
+    ok = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(ok, s, jnp.asarray(fallback, _F32))
+
+
+def _cast(y: jax.Array, name: str) -> jax.Array:
+    m = jnp.asarray(FP8_MAX[name], _F32)
+    nan = jnp.asarray(jnp.nan, _F32)  # any NaN -> the positive quiet NaN
+    y = jnp.where(jnp.isfinite(y), jnp.clip(y, -m, m), jnp.where(jnp.isnan(y), nan, y))
+    return y.astype(_DTYPES[name])
+
+
+def flush_subnormals(x: jax.Array) -> jax.Array:
+    """float32 subnormals -> 0, explicitly (XLA on CPU flushes them, on GPU it may not)."""
+    return jnp.where(jnp.abs(x) < jnp.asarray(FLOAT32_MIN_NORMAL, _F32), jnp.zeros((), _F32), x)
+
+
+def quantize_with(x: jax.Array, scale: jax.Array, block, name: str) -> jax.Array:
+    x = flush_subnormals(x.astype(_F32))
+    if block is None:
+        return _cast(x * scale, name)
+    t, info = _tiled(_as_2d(x), block)
+    q = _cast(t * scale[:, None, :, None], name)
+    return _untiled(q, info).reshape(x.shape)
+
+
+def quantize_fp8(
+    x: jax.Array,
+    dtype: Any = "float8_e4m3fn",
+    block: tuple[int | None, int | None] | None = None,
+    *,
+    margin: int = 0,
+    power_of_2_scales: bool = False,
+    axis_name: AxisName = None,
+    scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Quantises ``x`` to fp8 with current scaling; bit-identical to ``mpfunc_torch``.
+
+    The rule (shared with torch, word for word):
+
+    {rule}
+
+    Args:
+      x: a floating array; with a ``block`` its leading dims are flattened (the last dim
+        is the contraction dim).
+      dtype: ``"float8_e4m3fn"`` (``"e4m3"``) or ``"float8_e5m2"`` (``"e5m2"``), or the
+        jnp dtype.
+      block: None (one scale for the whole tensor) or ``(rows, cols)`` tiles, None
+        meaning the whole dimension (``(1, None)``: one scale per row).
+      margin: scales are divided by ``2**margin``.
+      power_of_2_scales: round scales down to powers of two.
+      axis_name: mesh axes to MAX-reduce the amax over (per-tensor scales only).
+      scale: use these float32 scales (e.g. delayed scaling's) instead of computing
+        them; values beyond the range then saturate.
+
+    Returns:
+      ``(q, scale)``: the fp8 array (shape of ``x``) and the float32 scales, shape ``()``
+      or ``(row tiles, col tiles)``; ``x ~= q * (1 / scale)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, mpfunc
+      >>> q, s = mpfunc.quantize_fp8(jnp.array([1.0, -2.0, 4.0]), "e4m3")
+      >>> q.dtype, float(s), mpfunc.dequantize_fp8(q, s).tolist()
+      (dtype(float8_e4m3fn), 112.0, [1.0, -2.0, 4.0])
+    """
+    name = fp8_name(dtype)
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(f"`x` must be a floating array, got {jnp.result_type(x)}.")
+    if block is not None and axis_name is not None:
+        raise ValueError("`axis_name` applies to per-tensor scales only (`block=None`); "
+                         "row and tile scales are local to the rows they scale.")
+    if scale is None:
+        amax = pmax_over(block_amax(x, block), axis_name)
+        scale = scale_from_amax(amax, FP8_MAX[name], margin, power_of_2_scales, 1.0)
+    else:
+        scale = jnp.asarray(scale, _F32)
+        want = scale_shape(x.shape, block)
+        if scale.shape != want:
+            raise ValueError(f"`scale` must have shape {want} for this block, got {scale.shape}.")
+    return quantize_with(x, scale, block, name), scale
+
+
+quantize_fp8.__doc__ = quantize_fp8.__doc__.replace("{rule}", QUANTIZE_RULE.strip())
+
+
+def dequantize_fp8(q: jax.Array, scale: jax.Array, block=None, dtype: Any = _F32) -> jax.Array:
+    """``float32(q) * (1 / scale)`` per block (the reciprocal rounded to float32), cast to
+    ``dtype``; the inverse of `quantize_fp8` up to fp8 rounding."""
+    inv = jnp.asarray(1, _F32) / scale
+    v = q.astype(_F32)
+    if block is None:
+        out = v * inv
+    else:
+        t, info = _tiled(_as_2d(v), block)
+        out = _untiled(t * inv[:, None, :, None], info).reshape(q.shape)
+    return flush_subnormals(out).astype(dtype)
