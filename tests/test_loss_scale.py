@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from anchors import apex_loss_scaler, assert_matches_anchor, megatron_scaler, torch_gradscaler
+from donation import assert_own_buffers
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
@@ -1097,3 +1098,27 @@ class TestFromJmp:
                 ls = ls.adjust(jnp.bool_(finite))
                 ref.append(float(ls.loss_scale))
         assert list(trajectory(dict(preset="jmp", growth_interval=5), seq)) == ref
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mpfunc.dynamic_scale(adam(1e-3)),
+    lambda: mpfunc.static_scale(128.0, adam(1e-3)),
+    lambda: mpfunc.no_scale(adam(1e-3)),
+    lambda: optax.chain(mpfunc.dynamic_scale(), adam(1e-3)),
+], ids=["dynamic", "static", "none", "chain"])
+def test_state_from_init_can_be_donated(make):
+    # The counters once shared one zero array: the first donated step then failed with
+    # "Attempt to donate the same buffer twice" unless init itself ran under jit.
+    tx = make()
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros((2,))}
+    state = tx.init(params)
+    assert_own_buffers(params, state)
+
+    def step(params, state):
+        grads = jax.tree.map(jnp.ones_like, params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    expected = jax.jit(step)(params, state)
+    got = jax.jit(step, donate_argnums=(0, 1))(params, state)
+    chex.assert_trees_all_equal(got, expected)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from donation import assert_own_buffers
 from hypothesis import given
 from hypothesis import strategies as st
 from lenient import adam
@@ -103,3 +104,22 @@ def test_state_dtypes():
     assert state.master_params["w"].dtype == jnp.float32
     assert state.master_params["i"].dtype == jnp.int32
     np.testing.assert_array_equal(state.master_params["w"], 1.0)
+
+
+def test_masters_of_float32_params_are_their_own_buffers():
+    # apex O2 keeps norm params in float32: their masters once were the params' own
+    # arrays, so donating params and state together failed on the first step.
+    tx = mpfunc.master_weights(adam(1e-3))
+    params = {"w": jnp.ones((4, 2), jnp.float16), "norm": jnp.ones((2,), jnp.float32)}
+    state = tx.init(params)
+    assert_own_buffers(params, state)
+    chex.assert_trees_all_equal(state.master_params, jax.tree.map(
+        lambda x: x.astype(jnp.float32), params))
+
+    def step(params, state):
+        grads = jax.tree.map(jnp.ones_like, params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    expected = jax.jit(step)(params, state)
+    chex.assert_trees_all_equal(jax.jit(step, donate_argnums=(0, 1))(params, state), expected)

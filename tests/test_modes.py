@@ -1,10 +1,12 @@
 """Tests for mpfunc._src.modes: convert_to_amp for JAX, every mode and opt level."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from donation import assert_own_buffers
 from lenient import adam, lenient
 
 import mpfunc
@@ -81,6 +83,38 @@ def reference(kind):
         opt = lenient(optax.sgd(0.3, momentum=0.9)) if kind == "sgd" else None
         _REF[kind] = run("torch", {"enabled": False}, optimizer=opt)[3]
     return _REF[kind]
+
+
+@pytest.mark.parametrize("mode, cfg", MODES, ids=IDS)
+def test_every_mode_steps_with_params_and_state_donated_straight_from_init(mode, cfg):
+    # How large models train: jit(step, donate_argnums=(0, 1)) on the state `init` made,
+    # outside jit. Leaves sharing a buffer (float32 params and their masters in O2, the
+    # loss scale's counters) made the first call fail ("donate the same buffer twice").
+    amp = mpfunc.convert_to_amp(apply, adam(3e-3), mode=mode, **cfg)
+    params = amp.cast_params(init(jax.random.key(0)))
+    state = amp.optimizer.init(params)
+    assert_own_buffers(params, state)
+
+    def step(params, state, x, y):
+        def lf(p):
+            logits = amp.apply_fn(p, x)
+            return mpfunc.scale_loss(
+                optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), state)
+
+        with jax.numpy_dtype_promotion("standard"):
+            g = jax.grad(lf)(params)
+        u, state = amp.optimizer.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    donated = jax.jit(step, donate_argnums=(0, 1))
+    plain_params, plain_state = params, state
+    for x, y in task(2):
+        plain_params, plain_state = jax.jit(step)(plain_params, plain_state, x, y)
+    fresh = amp.optimizer.init(amp.cast_params(init(jax.random.key(0))))
+    params = amp.cast_params(init(jax.random.key(0)))
+    for x, y in task(2):
+        params, fresh = donated(params, fresh, x, y)
+    chex.assert_trees_all_equal((params, fresh), (plain_params, plain_state))
 
 
 @pytest.mark.parametrize("mode, cfg", MODES, ids=IDS)

@@ -63,8 +63,9 @@ def fp8_dot_state(recipe: Any = "delayed") -> Fp8DotState:
     if not recipe.delayed:
         raise ValueError(f"`recipe` must use delayed scaling to have state, got scaling="
                          f"{recipe.scaling!r} (its scales are computed each step).")
-    meta = Fp8Meta(jnp.zeros((recipe.amax_history_len,), _F32), jnp.ones((), _F32))
-    return Fp8DotState(meta, meta, meta)
+    # One array per leaf: leaves sharing a buffer cannot all be donated to a step.
+    return Fp8DotState(*(Fp8Meta(jnp.zeros((recipe.amax_history_len,), _F32),
+                                 jnp.ones((), _F32)) for _ in range(3)))
 
 
 # ------------------------------------------------------------------ delayed scaling

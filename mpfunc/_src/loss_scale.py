@@ -98,13 +98,13 @@ def _scale_transform(
     below_one = cfg.may_go_below_one if cfg is not None else static_value < 1.0
 
     def init_fn(params):
-        zero = jnp.zeros((), jnp.int32)
+        # One array per leaf: leaves sharing a buffer cannot all be donated to a step.
         return LossScaleState(
             loss_scale=jnp.asarray(initial, jnp.float32),
-            growth_tracker=zero,
+            growth_tracker=jnp.zeros((), jnp.int32),
             hysteresis_left=jnp.asarray(hysteresis, jnp.int32),
-            skipped_steps=zero,
-            consecutive_skips=zero,
+            skipped_steps=jnp.zeros((), jnp.int32),
+            consecutive_skips=jnp.zeros((), jnp.int32),
             last_finite=jnp.asarray(True),
             inner_state=inner.init(params) if inner is not None else optax.EmptyState(),
         )

@@ -74,7 +74,10 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
     inner = as_transformation(inner)
 
     def init_fn(params):
-        master = _to_f32(params)
+        # The masters are their own buffers, float32 params included (apex O2's norms):
+        # aliasing a param, they could not both be donated to a step.
+        master = jax.tree_util.tree_map(
+            lambda x: jnp.array(x, jnp.float32, copy=True) if _is_float(x) else x, params)
         return MasterWeightsState(master_params=master, inner_state=inner.init(master))
 
     def update_fn(updates, state, params=None, **extra_args):
