@@ -107,7 +107,7 @@ def loss_scale(opt_state: Any) -> jax.Array:
 
     Examples:
       >>> import jax.numpy as jnp, optax, mpfunc
-      >>> opt = optax.MultiSteps(mpfunc.dynamic_scale(optax.adam(1e-3)), 2)
+      >>> opt = optax.chain(optax.clip(1.0), mpfunc.dynamic_scale(optax.adam(1e-3)))
       >>> float(mpfunc.loss_scale(opt.init({"w": jnp.ones(2)})))
       65536.0
     """
