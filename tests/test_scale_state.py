@@ -218,6 +218,37 @@ class TestValueAndGrad:
         ts = ts.apply_gradients(grads=out)
         np.testing.assert_array_equal(ts.params["w"], 0.0)
 
+    @pytest.mark.parametrize("mode, cfg", [("apex", {"opt_level": "O2"}), ("naive", {})])
+    def test_train_state_from_create_can_be_donated(self, mode, cfg):
+        # flax's pattern: TrainState.create (init outside jit), then a jitted step that
+        # donates the TrainState. O2's float32 norm masters once aliased their params.
+        from flax.training import train_state
+
+        def apply(p, x):
+            h = x @ p["w"]
+            return (h - h.mean()) * p["LayerNorm_0"]["scale"]
+
+        amp = mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode=mode, **cfg)
+        params = amp.cast_params({"w": jnp.ones((4, 3)),
+                                  "LayerNorm_0": {"scale": jnp.ones((3,))}})
+        x = jnp.arange(8.0).reshape(2, 4)
+
+        def train_step(ts):
+            def loss(p):
+                with jax.numpy_dtype_promotion("standard"):
+                    return mpfunc.scale_loss(jnp.mean(ts.apply_fn(p, x) ** 2), ts.opt_state)
+            return ts.apply_gradients(grads=jax.grad(loss)(ts.params))
+
+        def create():
+            return train_state.TrainState.create(
+                apply_fn=amp.apply_fn, params=jax.tree.map(jnp.copy, params),
+                tx=amp.optimizer)
+
+        expected = jax.jit(train_step)(create())
+        got = jax.jit(train_step, donate_argnums=0)(create())
+        chex.assert_trees_all_equal((got.params, got.opt_state),
+                                    (expected.params, expected.opt_state))
+
     def test_axis_name_averages_like_flax(self):
         mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
         opt = mpfunc.dynamic_scale(optax.sgd(1.0), axis_name="data")
