@@ -105,3 +105,86 @@ def test_fused_sgd_first_step_pending_follows_the_momentum_buffers():
     fused.step_with_found_inf_(sgd, None, torch.zeros(()))
     assert not fused.fused_sgd_first_step_pending(sgd)
     assert not fused.is_fused_sgd_with_momentum(torch.optim.SGD([p], lr=0.1, momentum=0.9))
+
+
+def _late_setup(**kw):
+    torch.manual_seed(0)
+    early, late = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3))
+    sgd = torch.optim.SGD([early, late], lr=0.1, momentum=0.9, fused=True, **kw)
+    early.grad = torch.randn(4)
+    sgd.step()  # `early` has a momentum buffer, `late` (no grad yet) none
+    return early, late, sgd
+
+
+@pytest.mark.parametrize("kw", [{}, {"nesterov": True, "weight_decay": 0.01}])
+def test_late_momentum_buffer_steps_as_torchs_first_step(kw):
+    # torch's fused SGD passes the late param's missing buffer to its kernel as None
+    # (a TypeError); started at zero, the kernel's momentum * 0 + grad is torch's
+    # first-step buffer, bit for bit.
+    early, late, sgd = _late_setup(**kw)
+    assert not fused.start_late_momentum_buffers_(sgd)  # `late` has no grad: not yet
+    assert "momentum_buffer" not in sgd.state[late]
+    late.grad = torch.randn(3)
+    ref = torch.nn.Parameter(late.detach().clone())
+    ref.grad = late.grad.clone()
+    ref_sgd = torch.optim.SGD([ref], lr=0.1, momentum=0.9, fused=True, **kw)
+    assert fused.start_late_momentum_buffers_(sgd)  # every param has a buffer now
+    assert torch.equal(sgd.state[late]["momentum_buffer"], torch.zeros(3))
+    early.grad = torch.randn(4)
+    sgd.step()
+    ref_sgd.step()  # the reference's own first step: buf = grad
+    assert torch.equal(late, ref)
+    assert torch.equal(sgd.state[late]["momentum_buffer"], ref_sgd.state[ref]["momentum_buffer"])
+
+
+def test_late_momentum_buffer_with_dampening_is_refused():
+    _, late, sgd = _late_setup(dampening=0.1)
+    late.grad = torch.randn(3)
+    with pytest.raises(ValueError, match=r"param group 0 .* dampening=0.1 .*foreach=True"):
+        fused.start_late_momentum_buffers_(sgd)
+    assert "momentum_buffer" not in sgd.state[late]
+
+
+@pytest.mark.parametrize("mode, cfg", [("torch", {"init_scale": 2.0**10}),
+                                       ("naive", {"initial_scale": 2.0**10}),
+                                       ("naive", {"initial_scale": 2.0**10, "step_chunks": 2})])
+def test_amp_fused_sgd_steps_a_branch_used_late(mode, cfg):
+    # A branch first used at step 2 (an unfrozen layer, a routed expert): that step
+    # overflows and is skipped, the next takes it. Before, torch's fused SGD raised a
+    # TypeError there; now the branch's buffer starts at zero and the step equals
+    # foreach SGD's (which starts it at the gradient).
+    import mpfunc_torch
+
+    def run(impl):
+        torch.manual_seed(0)
+        body, branch = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+        net = torch.nn.ModuleDict({"body": body, "branch": branch})
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, **impl)
+        _, opt, _ = mpfunc_torch.convert_to_amp(net, opt, torch.nn.MSELoss(), mode=mode,
+                                                **cfg)
+        taken = []
+        for step in range(4):
+            torch.manual_seed(10 + step)
+            x = torch.randn(8, 4).to(next(body.parameters()).dtype)
+            out = body(x) + (branch(x) if step >= 2 else 0)
+            loss = out.float().square().mean() * (float("inf") if step == 2 else 1.0)
+            opt.zero_grad()
+            opt.backward(loss)
+            taken.append(bool(opt.step()))
+        return net, opt, taken
+
+    net, opt, taken = run({"fused": True})
+    ref, _, ref_taken = run({"foreach": True})
+    assert taken == ref_taken == [True, True, False, True]
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.float(), q.float(), rtol=1e-5, atol=1e-6, msg=name)
+    assert all("momentum_buffer" in opt.state[q] for g in opt.param_groups for q in g["params"])
+
+
+def test_upstream_fused_sgd_fails_on_a_param_that_gets_grads_late():
+    # What start_late_momentum_buffers_ works around (torch 2.13); if this stops
+    # failing, the workaround may go.
+    _, late, sgd = _late_setup()
+    late.grad = torch.randn(3)
+    with pytest.raises(TypeError, match="expected Tensor as element"):
+        sgd.step()

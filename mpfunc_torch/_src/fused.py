@@ -28,6 +28,7 @@ __all__ = [
     "step_with_found_inf_",
     "is_fused_sgd_with_momentum",
     "fused_sgd_first_step_pending",
+    "start_late_momentum_buffers_",
     "scaled_mm",
     "scaled_mm_available",
     "scaled_mm_fits",
@@ -128,6 +129,54 @@ def fused_sgd_first_step_pending(optimizer: torch.optim.Optimizer) -> bool:
         g["momentum"] != 0 and all(state.get(p, {}).get("momentum_buffer") is None
                                    for p in g["params"])
         for g in optimizer.param_groups)
+
+
+def start_late_momentum_buffers_(optimizer: torch.optim.Optimizer,
+                                 stepped: set[int] | None = None) -> bool:
+    """Makes the momentum buffer of each param that first gets a gradient after others
+    in its group have theirs (a branch used late, a layer unfrozen, an expert routed to
+    for the first time); returns whether every param of a momentum group has one now.
+
+    torch's fused SGD (2.13) passes such a param's missing buffer to its kernel as None
+    and fails with ``TypeError: expected Tensor as element i``. Its for-loop and
+    foreach paths start the buffer as the gradient itself (``buf = grad``); the fused
+    kernel, from a zero buffer, computes ``momentum * 0 + (1 - dampening) * grad``, the
+    same value when ``dampening`` is 0. So the buffer starts as zeros here, and a step
+    that is then skipped leaves it zero (which is how torch would start it anyway).
+
+    Args:
+      optimizer: a fused SGD.
+      stepped: ids of the params this step updates (default: those with a ``.grad``);
+        master params get their gradients only later, in a chunked step.
+
+    Raises:
+      ValueError: such a param in a group with ``dampening != 0``, where no start value
+        gives torch's ``buf = grad``.
+    """
+    done = True
+    for i, group in enumerate(optimizer.param_groups):
+        if group["momentum"] == 0:
+            continue
+        state = [optimizer.state.get(p, {}).get("momentum_buffer") for p in group["params"]]
+        if all(b is None for b in state):  # torch's own first step makes them all
+            done = done and not group["params"]
+            continue
+        for p, buf in zip(group["params"], state):
+            if buf is not None:
+                continue
+            if (p.grad is None) if stepped is None else (id(p) not in stepped):
+                done = False
+                continue
+            if group["dampening"] != 0:
+                raise ValueError(
+                    f"param group {i} of the fused SGD has dampening="
+                    f"{group['dampening']!r} and a param that gets its first gradient "
+                    "after the others have momentum buffers: torch's fused SGD cannot "
+                    "step it (its kernel gets None), and with dampening no zero start "
+                    "gives torch's buf = grad. Use SGD(foreach=True), or dampening=0.")
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(
+                p, memory_format=torch.preserve_format)
+    return done
 
 
 def step_with_found_inf_(optimizer: torch.optim.Optimizer, grad_scale, found_inf) -> None:

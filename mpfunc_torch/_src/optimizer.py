@@ -147,7 +147,7 @@ class AmpOptimizer(WrappedOptimizer):
         self._copy_order = largest_first(self._pairs)
         self._owned = [q for g in self.optimizer.param_groups for q in g["params"]]
         self._sources = [source_of.get(id(q), q) for q in self._owned]
-        self._sgd_first = fused.is_fused_sgd_with_momentum(self.optimizer)
+        self._sgd_first = self._sgd_late = fused.is_fused_sgd_with_momentum(self.optimizer)
 
     # -- the torch optimizer interface (the rest is WrappedOptimizer's) --------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -349,6 +349,10 @@ class AmpOptimizer(WrappedOptimizer):
         # momentum buffers exist, skips are decided on the host.
         host_skip = self._sgd_first = (
             self._sgd_first and fused.fused_sgd_first_step_pending(self.optimizer))
+        if self._sgd_late:  # and its params that get their first grads late
+            self._sgd_late = not fused.start_late_momentum_buffers_(self.optimizer, {
+                id(q) for q, src in zip(self._owned, self._sources)
+                if q.grad is not None or src.grad is not None})
         found = self._found_inf
         if self._kernel_unscales and self._stage == _BACKWARD and not host_skip:
             step_in_kernel_(self.optimizer, self._owned,
