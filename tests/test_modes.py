@@ -118,6 +118,41 @@ def test_every_mode_steps_with_params_and_state_donated_straight_from_init(mode,
 
 
 @pytest.mark.parametrize("mode, cfg", MODES, ids=IDS)
+def test_orbax_round_trip_continues_bit_for_bit(mode, cfg, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    amp = mpfunc.convert_to_amp(apply, adam(3e-3), mode=mode, **cfg)
+
+    def step(params, state, x, y):
+        def lf(p):
+            logits = amp.apply_fn(p, x)
+            return mpfunc.scale_loss(
+                optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), state)
+
+        with jax.numpy_dtype_promotion("standard"):
+            g = jax.grad(lf)(params)
+        u, state = amp.optimizer.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    params = amp.cast_params(init(jax.random.key(0)))
+    state = amp.optimizer.init(params)
+    batches = list(task(6))
+    for x, y in batches[:3]:
+        params, state = step(params, state, x, y)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"params": params, "state": state})
+    checkpointer.wait_until_finished()
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "state": state})
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+    assert type(restored["state"]) is type(state)
+    resumed = restored["params"], restored["state"]
+    for x, y in batches[3:]:
+        params, state = step(params, state, x, y)
+        resumed = step(*resumed, x, y)
+    chex.assert_trees_all_equal(resumed, (params, state))
+
+
+@pytest.mark.parametrize("mode, cfg", MODES, ids=IDS)
 def test_every_mode_trains_close_to_float32(mode, cfg):
     # O3 keeps the optimizer state in float16 too; Adam's second moment underflows there
     # (as in apex), so O3 is compared with SGD + momentum on both sides.
