@@ -106,3 +106,23 @@ def test_step_in_kernel_unscales_in_the_kernel_and_skips_there(bad):
         params, state = _snapshot(net, opt)
         _assert_same((before[0], {}), (params, {}))
         assert all(int(s["step"]) == 0 for s in state.values())  # the count undone
+
+
+def test_a_skipped_first_step_in_the_kernel_leaves_a_fresh_state():
+    # A fused optimizer makes its state (zeros, step 0) before its kernel sees found_inf,
+    # so a skipped first step leaves that state behind, as with torch's GradScaler. It
+    # is the state of an optimizer that never stepped: the next step equals a fresh
+    # optimizer's first step, bit for bit.
+    net, ref = _net_and_grads(bad=float("inf")), _net_and_grads()
+    opt, ref_opt = _adam(net, True), _adam(ref, True)
+    before = [p.detach().clone() for p in net.parameters()]
+    exact_skip.step_in_kernel_(opt, list(net.parameters()), None, torch.zeros(()), ())
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+    for s in opt.state.values():
+        assert int(s["step"]) == 0
+        assert not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        p.grad = q.grad.clone()
+    exact_skip.step_in_kernel_(opt, list(net.parameters()), None, torch.zeros(()), ())
+    ref_opt.step()
+    _assert_same(_snapshot(ref, ref_opt), _snapshot(net, opt))
