@@ -8,6 +8,10 @@ overflow). After every step the test checks, against its own finiteness check of
 gradients, that the step was skipped exactly when a gradient was (or would become, once
 unscaled) non-finite, and that the scale stayed inside [floor, ceiling]; periodically
 and at the end, that no param, master weight or optimizer-state value is inf/NaN.
+
+Then 48 random combinations of the features (see the comment above
+`test_random_feature_combinations_skip_exactly_and_resume_bit_for_bit`), each checked
+step by step and resumed from a checkpoint.
 """
 
 import random
@@ -151,3 +155,149 @@ def test_faults_never_reach_params_masters_or_state(mode, opt_name, impl):
             # No ceiling: it climbs through the clean stretch until the model's own
             # float16 activations overflow (bfloat16 ones never do in 350 steps).
             assert genuine > 0 or scales[1 + 1750] >= scales[1 + 1400] * 2.0**40
+
+
+# -- random combinations of features -------------------------------------------------
+# Each seed draws a mode and its options (step_chunks, clip_grad, log_num_zeros_in_grad,
+# num_losses), an optimizer and implementation, gradient accumulation, user clipping,
+# zero_grad(set_to_none=False), a frozen param and a branch used on some steps only
+# (grads None, momentum buffers made late), and injects faults into ~25% of micro-steps.
+# After every step: a skipped step changed nothing, an injected fault was skipped,
+# nothing non-finite reached the params, masters or state. Halfway, a checkpoint
+# (torch.save / torch.load(weights_only=True)) is loaded into a fresh model and optimizer,
+# which must then replay the second half bit for bit.
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8),
+                                        torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        self.side = torch.nn.Linear(6, 3)
+        self.use_side = False
+
+    def forward(self, x):
+        out = self.body(x)
+        return out + self.side(x) if self.use_side else out
+
+
+def _combination(rng):
+    mode = rng.choice(["torch", "torch-bf16", "apex-O1", "apex-O2", "apex-O3", "naive", "bf16"])
+    name, kw = mode.split("-")[0], {}
+    if mode == "torch":
+        kw = {"growth_interval": rng.choice([1, 4]), "init_scale": 2.0 ** rng.choice([4, 16])}
+    elif mode == "torch-bf16":
+        kw = {"dtype": "bfloat16"}
+    elif name == "apex":
+        kw = {"opt_level": mode[5:], "verbosity": 0, "num_losses": rng.choice([1, 1, 2])}
+        if mode == "apex-O3":
+            kw["loss_scale"] = "dynamic"
+    elif name == "naive":
+        kw = {"initial_scale": 2.0 ** rng.choice([4, 12, 20]),
+              "growth_interval": rng.choice([1, 3]), "hysteresis": rng.choice([1, 2]),
+              "step_chunks": rng.choice([1, 2, 3]), "clip_grad": rng.choice([0, 0.5]),
+              "log_num_zeros_in_grad": rng.choice([False, True])}
+    opt_name, impl = rng.choice(list(OPTIMIZERS)), rng.choice(list(IMPLS))
+    if mode == "apex-O3" and opt_name == "sgd" and impl == "fused":
+        impl = "foreach"  # refused on CPU (see CASES)
+    return {"name": name, "kw": kw, "opt": opt_name, "impl": impl,
+            "accum": rng.choice([1, 1, 2]), "user_clip": rng.random() < 0.3,
+            "keep_grads": rng.random() < 0.3, "frozen": rng.random() < 0.3,
+            "side": rng.random() < 0.5}
+
+
+def _build(cfg, seed):
+    torch.manual_seed(seed)
+    net = _Branchy()
+    if cfg["frozen"]:
+        net.body[0].bias.requires_grad_(False)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, OPTIMIZERS[cfg["opt"]](net.parameters(), **IMPLS[cfg["impl"]]),
+        torch.nn.MSELoss(), mode=cfg["name"], **cfg["kw"])
+    return net, model, opt, crit
+
+
+def _snapshot(net, opt):
+    """Params and masters (a list), and the optimizer state keyed (param index, name)."""
+    tensors = [p.detach().clone() for p in net.parameters()]
+    tensors += [m.detach().clone() for _, m in opt._pairs]
+    index = {id(q): i for i, q in enumerate(q for g in opt.param_groups for q in g["params"])}
+    state = {(index[id(q)], k): v.detach().clone() for q, st in opt.state.items()
+             for k, v in st.items() if isinstance(v, torch.Tensor)}
+    return tensors, state
+
+
+def _bits_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _plan(rng, cfg, steps):
+    return [[(torch.randn(4, 6), torch.randn(4, 3),
+              rng.choice(["loss-inf", "loss-nan", "grad-inf", "grad-nan"])
+              if rng.random() < 0.25 else None, rng.randrange(1000))
+             for _ in range(cfg["accum"])] for _ in range(steps)]
+
+
+def _run(net, model, opt, crit, cfg, plan):
+    two = cfg["kw"].get("num_losses", 1) == 2
+    out = []
+    for micro in plan:
+        before = _snapshot(net, opt)
+        opt.zero_grad(set_to_none=not cfg["keep_grads"])
+        faulty = False
+        for x, y, fault, which in micro:
+            net.use_side = cfg["side"] and which % 2 == 0
+            pred = model(x)
+            bad = float(fault[5:]) if fault and fault.startswith("loss") else 1.0
+            if two:
+                opt.backward(crit(pred[:, :2], y[:, :2]) * (bad if which % 2 else 1.0),
+                             loss_id=0, retain_graph=True)
+                opt.backward(crit(pred[:, 2:], y[:, 2:]) * (1.0 if which % 2 else bad),
+                             loss_id=1)
+            else:
+                opt.backward(crit(pred, y) * bad)
+            if fault and fault.startswith("grad") and not two:
+                with torch.no_grad():
+                    ps = [p for p in net.parameters() if p.grad is not None]
+                    g = ps[which % len(ps)].grad
+                    g.view(-1)[which % g.numel()] = float(fault[5:])
+            faulty = faulty or (fault is not None and (fault.startswith("loss") or not two))
+        if cfg["user_clip"]:
+            opt.clip_grad_norm(1.0)
+        took = bool(opt.step())
+        after = _snapshot(net, opt)
+        assert not (faulty and took), "an injected fault was stepped on"
+        if not took:  # nothing changed; only a fused kernel's fresh (zero) state may appear
+            assert all(_bits_equal(a, b) for a, b in zip(before[0], after[0], strict=True))
+            assert before[1].keys() <= after[1].keys()
+            for k, v in after[1].items():
+                assert _bits_equal(before[1][k], v) if k in before[1] else not v.any(), k
+        assert all(torch.isfinite(t.float()).all() for t in [*after[0], *after[1].values()])
+        out.append((took, float(opt.loss_scale)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_random_feature_combinations_skip_exactly_and_resume_bit_for_bit(seed):
+    import io
+
+    rng = random.Random(seed)
+    cfg = _combination(rng)
+    net, model, opt, crit = _build(cfg, seed)
+    first, second = _plan(rng, cfg, 10), _plan(rng, cfg, 10)
+    _run(net, model, opt, crit, cfg, first)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    trajectory = _run(net, model, opt, crit, cfg, second)
+    assert any(took for took, _ in trajectory) or cfg["name"] == "naive", cfg
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    net2, model2, opt2, crit2 = _build(cfg, seed + 1000)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    replay = _run(net2, model2, opt2, crit2, cfg, second)
+    if cfg["keep_grads"] and cfg["side"]:
+        return  # kept zero grads of the branch are not in a checkpoint (nor in torch's)
+    assert replay == trajectory, cfg
+    (a, sa), (b, sb) = _snapshot(net, opt), _snapshot(net2, opt2)
+    assert all(_bits_equal(x, y) for x, y in zip(a, b, strict=True)) and sa.keys() == sb.keys()
+    assert all(_bits_equal(sa[k], sb[k]) for k in sa), cfg
