@@ -1,6 +1,8 @@
 """Tests for mpfunc._src.exact_skip: an exact skip for any optax inner transformation, at
 no memory cost under buffer donation, and compile cost linear in the number of leaves."""
 
+import random
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -347,3 +349,102 @@ def test_the_finite_check_adds_no_transpose_with_float16_compute():
     plain = transposes(compiled_step(optax.adam(1e-3), 8, 8, False, f16))
     ours = transposes(compiled_step(mpfunc.dynamic_scale(optax.adam(1e-3)), 8, 8, True, f16))
     assert ours <= plain, (ours, plain)
+
+
+# --- random combinations of forms, modes and optimizers -----------------------------
+# Each seed draws a form (the wrapper over a float16-compute model, the same through
+# `value_and_grad`, or a `convert_to_amp` mode with its options), an inner optimizer
+# (Adam, AdamW, SGD with momentum, Lion, MultiSteps, inject_hyperparams, a clipping
+# chain) and whether the jitted step donates its inputs, then runs 12 steps with faults
+# (inf/NaN in the loss or in one gradient element) at ~30% of them. After every step:
+# a fault was skipped; a skipped step left params and the inner state bit for bit;
+# nothing non-finite reached the params or the state.
+_COMBO_OPTS = {
+    "adam": lambda: optax.adam(1e-2), "adamw": lambda: optax.adamw(1e-2),
+    "sgdm": lambda: optax.sgd(1e-2, momentum=0.9), "lion": lambda: optax.lion(1e-3),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+    "inject": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    "clipchain": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+}
+
+
+def _combo_apply(p, x):
+    h = jnp.tanh(x @ p["dense_0"]["w"] + p["dense_0"]["b"])
+    h = (h - h.mean(-1, keepdims=True)) * p["LayerNorm_0"]["scale"]
+    return h @ p["dense_1"]["w"]
+
+
+def _combo_setup(rng, seed):
+    form = rng.choice(["wrapper", "value_and_grad", "torch", "apex-O1", "apex-O2",
+                       "apex-O3", "naive", "bf16"])
+    inner = lenient(_COMBO_OPTS[rng.choice(sorted(_COMBO_OPTS))]())
+    k = jax.random.split(jax.random.key(seed), 2)
+    params = {"dense_0": {"w": jax.random.normal(k[0], (6, 8)) * 0.3, "b": jnp.zeros(8)},
+              "LayerNorm_0": {"scale": jnp.ones(8)},
+              "dense_1": {"w": jax.random.normal(k[1], (8, 3)) * 0.3}}
+    if form in ("wrapper", "value_and_grad"):
+        tx = mpfunc.dynamic_scale(inner, init_scale=2.0**10, growth_interval=2)
+        pol = mpfunc.get_policy("params=float32,compute=float16,output=float32")
+        return form, (lambda p, x: pol.cast_to_output(
+            _combo_apply(pol.cast_to_compute(p), pol.cast_to_compute(x)))), tx, params
+    name, kw = form.split("-")[0], {}
+    if name == "apex":
+        kw = {"opt_level": form[5:], **({"loss_scale": "dynamic"} if form == "apex-O3" else {})}
+    elif name == "naive":
+        kw = {"initial_scale": 2.0 ** rng.choice([4, 12]), "hysteresis": rng.choice([1, 2]),
+              "clip_grad": rng.choice([0, 0.5]), "log_num_zeros_in_grad": rng.random() < 0.5}
+    elif name == "torch":
+        kw = {"init_scale": 2.0 ** rng.choice([4, 12]), "growth_interval": rng.choice([1, 4])}
+    amp = mpfunc.convert_to_amp(_combo_apply, inner, mode=name, **kw)
+    return form, amp.apply_fn, amp.optimizer, amp.cast_params(params)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_combinations_skip_exactly(seed):
+    rng, data = random.Random(seed), np.random.default_rng(seed)
+    form, apply_fn, tx, params = _combo_setup(rng, seed)
+
+    def step(params, state, x, y, fault, pos):
+        def loss_fn(p):
+            with jax.numpy_dtype_promotion("standard"):
+                loss = jnp.mean(jnp.square(apply_fn(p, x).astype(jnp.float32) - y))
+            # A factor, not a where over the loss: where's gradient would be 0 * inf.
+            loss = loss * jnp.where(fault == 1, jnp.inf, jnp.where(fault == 2, jnp.nan, 1.0))
+            return loss if form == "value_and_grad" else mpfunc.scale_loss(loss, state)
+
+        if form == "value_and_grad":
+            out = mpfunc.value_and_grad(loss_fn)(state, params)
+            grads = out.grads
+        else:
+            grads = jax.grad(loss_fn)(params)
+        w = grads["dense_1"]["w"].reshape(-1)
+        bad = jnp.where(fault == 3, jnp.inf, jnp.nan).astype(w.dtype)
+        w = jnp.where((fault >= 3) & (jnp.arange(w.size) == pos), bad, w)
+        grads = {**grads, "dense_1": {"w": w.reshape(grads["dense_1"]["w"].shape)}}
+        if form == "value_and_grad":
+            grads = out._replace(grads=grads, finite=out.finite & mpfunc.all_finite(grads))
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step, donate_argnums=(0, 1) if rng.random() < 0.5 else ())
+    state = tx.init(params)
+    taken = 0
+    for i in range(12):
+        x = jnp.asarray(data.standard_normal((4, 6)), jnp.float32)
+        y = jnp.asarray(data.standard_normal((4, 3)), jnp.float32)
+        fault = rng.randint(1, 4) if rng.random() < 0.3 else 0
+        before = [np.array(a) for a in jax.tree.leaves((params, state.inner_state))]
+        skipped_before = int(state.skipped_steps)
+        params, state = step(params, state, x, y, jnp.int32(fault), jnp.int32(i % 24))
+        skipped = int(state.skipped_steps) > skipped_before
+        assert skipped or not fault, (form, i, fault)
+        assert skipped != bool(state.last_finite)
+        if skipped:
+            after = [np.array(a) for a in jax.tree.leaves((params, state.inner_state))]
+            for a, b in zip(before, after, strict=True):
+                np.testing.assert_array_equal(bits(a), bits(b))
+        taken += not skipped
+        for leaf in jax.tree.leaves((params, state)):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                assert np.isfinite(np.asarray(leaf, np.float32)).all(), (form, i)
+    assert taken, form  # not vacuous: some steps were taken
