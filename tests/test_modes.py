@@ -85,6 +85,23 @@ def reference(kind):
     return _REF[kind]
 
 
+def train_step(amp):
+    """One un-jitted training step of ``amp`` on the task: (params, state, x, y) -> both."""
+
+    def step(params, state, x, y):
+        def lf(p):
+            logits = amp.apply_fn(p, x)
+            return mpfunc.scale_loss(
+                optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), state)
+
+        with jax.numpy_dtype_promotion("standard"):  # O2: half activations meet f32 norms
+            g = jax.grad(lf)(params)
+        u, state = amp.optimizer.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    return step
+
+
 @pytest.mark.parametrize("mode, cfg", MODES, ids=IDS)
 def test_every_mode_steps_with_params_and_state_donated_straight_from_init(mode, cfg):
     # How large models train: jit(step, donate_argnums=(0, 1)) on the state `init` made,
@@ -94,18 +111,7 @@ def test_every_mode_steps_with_params_and_state_donated_straight_from_init(mode,
     params = amp.cast_params(init(jax.random.key(0)))
     state = amp.optimizer.init(params)
     assert_own_buffers(params, state)
-
-    def step(params, state, x, y):
-        def lf(p):
-            logits = amp.apply_fn(p, x)
-            return mpfunc.scale_loss(
-                optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), state)
-
-        with jax.numpy_dtype_promotion("standard"):
-            g = jax.grad(lf)(params)
-        u, state = amp.optimizer.update(g, state, params)
-        return optax.apply_updates(params, u), state
-
+    step = train_step(amp)
     donated = jax.jit(step, donate_argnums=(0, 1))
     plain_params, plain_state = params, state
     for x, y in task(2):
@@ -122,18 +128,7 @@ def test_orbax_round_trip_continues_bit_for_bit(mode, cfg, tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     amp = mpfunc.convert_to_amp(apply, adam(3e-3), mode=mode, **cfg)
 
-    def step(params, state, x, y):
-        def lf(p):
-            logits = amp.apply_fn(p, x)
-            return mpfunc.scale_loss(
-                optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), state)
-
-        with jax.numpy_dtype_promotion("standard"):
-            g = jax.grad(lf)(params)
-        u, state = amp.optimizer.update(g, state, params)
-        return optax.apply_updates(params, u), state
-
-    step = jax.jit(step, donate_argnums=(0, 1))
+    step = jax.jit(train_step(amp), donate_argnums=(0, 1))
     params = amp.cast_params(init(jax.random.key(0)))
     state = amp.optimizer.init(params)
     batches = list(task(6))
