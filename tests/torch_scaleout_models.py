@@ -256,14 +256,16 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def launch(scenario, world, outdir, timeout=420):
-    """Runs ``scenario`` on ``world`` gloo ranks over loopback; raises with the failing
-    rank's stderr. Results land in ``outdir/SCENARIO-RANK.pt``."""
+def launch(scenario, world, outdir, timeout=420, worker=None):
+    """Runs ``scenario`` on ``world`` gloo ranks over loopback (``worker``, a script in
+    this folder, defaults to torch_scaleout_worker.py); raises with the failing rank's
+    stderr. Results land in ``outdir/SCENARIO-RANK.pt``."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
                OMP_NUM_THREADS="1")
     env.pop("XLA_FLAGS", None)
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), port,
+    script = WORKER if worker is None else Path(__file__).parent / worker
+    procs = [subprocess.Popen([sys.executable, str(script), scenario, str(r), str(world), port,
                                str(outdir)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
     errors = []
