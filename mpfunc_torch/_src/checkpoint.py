@@ -92,6 +92,8 @@ def _check_inner_state(inner: Any, where: str) -> None:
             continue
         for key, t in st.items():
             if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+                if t.is_sparse:  # e.g. SGD's momentum for nn.Embedding(sparse=True)
+                    t = t.coalesce().values()
                 found.append((f"{where}['state'][{pid!r}][{key!r}]", torch.isfinite(t).all()))
     if found and not bool(torch.stack([f.cpu() for _, f in found]).all()):
         name = next(n for n, f in found if not bool(f))
