@@ -178,3 +178,26 @@ def test_ddp_broadcast_after_conversion_reaches_what_trains(ddp_orders, key):
     r0, r1 = ddp_orders
     assert r0[key]["convert_then_ddp_rank_init"] == r1[key]["convert_then_ddp_rank_init"]
 
+
+
+def test_random_combinations_under_ddp_skip_exactly_and_stay_in_step(tmp_path):
+    # 24 seeded draws: every mode (O3 too), fused or foreach AdamW and SGD with momentum,
+    # naive's step_chunks and clip_grad, user clipping, gradient accumulation with
+    # no_sync, and a branch used on some steps only (find_unused_parameters); an inf
+    # loss on one rank spreads through DDP's all-reduce on ~half of the steps. Every rank
+    # must take the same decision, skip every fault, leave params, masters and state bit
+    # for bit on a skip, hold nothing non-finite, and keep the same params as the other.
+    import torch_scaleout_models as tm
+
+    tm.launch("ddp", 2, tmp_path, worker="torch_combos_worker.py")
+    ranks = [torch.load(tmp_path / f"ddp-{r}.pt", weights_only=False) for r in range(2)]
+    for seed, (r0, r1) in enumerate(zip(*ranks, strict=True)):
+        assert r0["error"] is None and r1["error"] is None, (seed, r0["error"] or r1["error"])
+        for step, (s0, s1) in enumerate(zip(r0["steps"], r1["steps"], strict=True)):
+            where = (seed, r0["cfg"], step)
+            assert s0["took"] == s1["took"], where
+            assert not (s0["took"] and (s0["fault"] or s1["fault"])), where
+            assert s0["took"] or (s0["exact"] and s1["exact"]), where
+            assert s0["finite"] and s1["finite"], where
+            assert all(torch.equal(a, b) for a, b in zip(s0["params"], s1["params"])), where
+        assert any(s["took"] for s in r0["steps"]), (seed, r0["cfg"])

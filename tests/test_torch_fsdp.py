@@ -196,9 +196,9 @@ def test_random_combinations_skip_exactly_on_every_rank(tmp_path):
     # branch in its own FSDP unit used on some steps only; a NaN goes into one rank's
     # gradient shard on ~half of the steps. Every rank must take the same decision, skip
     # every fault, leave its shards (params, masters, state) bit for bit on a skip, and
-    # never hold a non-finite value. The worker is torch_fsdp_combos_worker.py.
-    tm.launch("combos", 2, tmp_path, worker="torch_fsdp_combos_worker.py")
-    ranks = [torch.load(tmp_path / f"combos-{r}.pt", weights_only=False) for r in range(2)]
+    # never hold a non-finite value. The worker is torch_combos_worker.py.
+    tm.launch("fsdp", 2, tmp_path, worker="torch_combos_worker.py")
+    ranks = [torch.load(tmp_path / f"fsdp-{r}.pt", weights_only=False) for r in range(2)]
     for seed, (r0, r1) in enumerate(zip(*ranks, strict=True)):
         assert r0["error"] is None and r1["error"] is None, (seed, r0["error"] or r1["error"])
         for step, (s0, s1) in enumerate(zip(r0["steps"], r1["steps"], strict=True)):
