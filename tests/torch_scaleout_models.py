@@ -308,6 +308,28 @@ def launched(tmp_path_factory, scenario, world, section):
             for r in range(world)]
 
 
+def check_combinations(scenario, tmp_path, *, same_params):
+    """Runs torch_combos_worker.py's ``scenario`` on 2 ranks and checks every seed: no
+    error; at every step the ranks took the same decision, no injected fault was
+    stepped on, a skip left every rank's params, masters and state bit for bit, nothing
+    is non-finite (and, with ``same_params``, the ranks hold equal params); and some
+    steps were taken."""
+    launch(scenario, 2, tmp_path, worker="torch_combos_worker.py")
+    ranks = [torch.load(tmp_path / f"{scenario}-{r}.pt", weights_only=False) for r in range(2)]
+    for seed, (r0, r1) in enumerate(zip(*ranks, strict=True)):
+        assert r0["error"] is None and r1["error"] is None, (seed, r0["error"] or r1["error"])
+        for step, (s0, s1) in enumerate(zip(r0["steps"], r1["steps"], strict=True)):
+            where = (seed, r0["cfg"], step)
+            assert s0["took"] == s1["took"], where
+            assert not (s0["took"] and (s0["fault"] or s1["fault"])), where
+            assert s0["took"] or (s0["exact"] and s1["exact"]), where
+            assert s0["finite"] and s1["finite"], where
+            if same_params:
+                assert all(torch.equal(a, b) for a, b in zip(s0["params"], s1["params"],
+                                                             strict=True)), where
+        assert any(s["took"] for s in r0["steps"]), (seed, r0["cfg"])
+
+
 def update_error(params, ref_params, init_params):
     """|sharded - reference| / |reference - initial| over all params (Frobenius): how far
     the sharded run's total update is from the single-process one's."""
