@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from _mpfunc_common.fp8 import FLOAT32_MIN_NORMAL, FP8_MAX, QUANTIZE_RULE, scale_shape
 from mpfunc._src.distributed import _varying_axes
 
-__all__ = ["AxisName", "block_amax", "dequantize_fp8", "flush_subnormals", "fp8_name",
-           "pmax_over", "quantize_fp8", "quantize_with", "scale_from_amax"]
+__all__ = ["AxisName", "block_amax", "dequantize_fp8", "pmax_over", "quantize_fp8",
+           "quantize_with", "scale_from_amax"]
 
 _DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 _F32 = jnp.float32
@@ -26,7 +26,7 @@ _MIN_SCALE, _MAX_SCALE = 2.0**-126, 2.0**126
 AxisName = Hashable | Sequence[Hashable] | None
 
 
-def fp8_name(dtype: Any):
+def _fp8_name(dtype: Any):
     if isinstance(dtype, str):
         name = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}.get(dtype, dtype)
     else:
@@ -81,7 +81,7 @@ def block_amax(x: jax.Array, block) -> jax.Array:
     NaN is mapped to inf first because XLA's CPU reduction (the YNNPACK fusion) does not
     propagate NaN through ``max``.
     """
-    a = jnp.abs(flush_subnormals(x.astype(_F32)))
+    a = jnp.abs(_flush(x.astype(_F32)))
     a = jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, _F32), a)
     if block is None:
         return jnp.max(a)
@@ -108,13 +108,13 @@ def _cast(y: jax.Array, name: str) -> jax.Array:
     return y.astype(_DTYPES[name])
 
 
-def flush_subnormals(x: jax.Array) -> jax.Array:
+def _flush(x: jax.Array) -> jax.Array:
     """float32 subnormals -> 0, explicitly (XLA on CPU flushes them, on GPU it may not)."""
     return jnp.where(jnp.abs(x) < jnp.asarray(FLOAT32_MIN_NORMAL, _F32), jnp.zeros((), _F32), x)
 
 
 def quantize_with(x: jax.Array, scale: jax.Array, block, name: str) -> jax.Array:
-    x = flush_subnormals(x.astype(_F32))
+    x = _flush(x.astype(_F32))
     if block is None:
         return _cast(x * scale, name)
     t, info = _tiled(_as_2d(x), block)
@@ -161,7 +161,7 @@ def quantize_fp8(
       >>> q.dtype, float(s), mpfunc.dequantize_fp8(q, s).tolist()
       (dtype(float8_e4m3fn), 112.0, [1.0, -2.0, 4.0])
     """
-    name = fp8_name(dtype)
+    name = _fp8_name(dtype)
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise TypeError(f"`x` must be a floating array, got {jnp.result_type(x)}.")
     if block is not None and axis_name is not None:
@@ -191,4 +191,4 @@ def dequantize_fp8(q: jax.Array, scale: jax.Array, block=None, dtype: Any = _F32
     else:
         t, info = _tiled(_as_2d(v), block)
         out = _untiled(t * inv[:, None, :, None], info).reshape(q.shape)
-    return flush_subnormals(out).astype(dtype)
+    return _flush(out).astype(dtype)

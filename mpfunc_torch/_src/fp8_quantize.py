@@ -15,8 +15,8 @@ import torch.distributed as dist
 from _mpfunc_common.fp8 import FLOAT32_MIN_NORMAL, FP8_MAX, QUANTIZE_RULE, scale_shape
 from mpfunc_torch._src.distributed import normalize_groups
 
-__all__ = ["all_reduce_max", "block_amax", "dequantize_fp8", "flush_subnormals", "fp8_name",
-           "quantize_fp8", "quantize_with", "scale_from_amax"]
+__all__ = ["all_reduce_max", "block_amax", "dequantize_fp8", "quantize_fp8", "quantize_with",
+           "scale_from_amax"]
 
 _DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _F32 = torch.float32
@@ -27,7 +27,7 @@ _NONFINITE_BITS = {"float8_e4m3fn": (0x7F, 0x7F, 0xFF), "float8_e5m2": (0x7E, 0x
 _MANTISSA_OFF = -8388608  # 0xFF800000 as an int32: sign and exponent bits of a float32
 
 
-def fp8_name(dtype: Any) -> str:
+def _fp8_name(dtype: Any) -> str:
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     else:
@@ -66,7 +66,7 @@ def _untiled(t: torch.Tensor, info) -> torch.Tensor:
 
 def block_amax(x: torch.Tensor, block) -> torch.Tensor:
     """max |x| per block (float32), a NaN counting as +inf (as on the JAX side)."""
-    a = flush_subnormals(x.detach().to(_F32)).abs()
+    a = _flush(x.detach().to(_F32)).abs()
     a = torch.where(a.isnan(), torch.tensor(float("inf"), device=a.device), a)
     if block is None:
         return a.amax() if a.numel() else torch.zeros((), device=a.device)
@@ -99,13 +99,13 @@ def _cast(y: torch.Tensor, name: str) -> torch.Tensor:
     return torch.where(finite, q.view(torch.uint8), special.to(torch.uint8)).view(q.dtype)
 
 
-def flush_subnormals(x: torch.Tensor) -> torch.Tensor:
+def _flush(x: torch.Tensor) -> torch.Tensor:
     """float32 subnormals -> 0, as XLA computes on CPU (torch keeps them)."""
     return torch.where(x.abs() < FLOAT32_MIN_NORMAL, 0.0, x)
 
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor, block, name: str) -> torch.Tensor:
-    x = flush_subnormals(x.detach().to(_F32))
+    x = _flush(x.detach().to(_F32))
     if block is None:
         return _cast(x * scale, name)
     t, info = _tiled(_as_2d(x), block)
@@ -153,7 +153,7 @@ def quantize_fp8(
       >>> q.dtype, float(s), mpfunc_torch.dequantize_fp8(q, s).tolist()
       (torch.float8_e4m3fn, 112.0, [1.0, -2.0, 4.0])
     """
-    name = fp8_name(dtype)
+    name = _fp8_name(dtype)
     if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
         raise TypeError(f"`x` must be a floating tensor, got {getattr(x, 'dtype', type(x))}.")
     groups = normalize_groups(process_group)
@@ -186,4 +186,4 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block=None,
     else:
         t, info = _tiled(_as_2d(v), block)
         out = _untiled(t * inv[:, None, :, None], info).reshape(q.shape)
-    return flush_subnormals(out).to(dtype)
+    return _flush(out).to(dtype)
