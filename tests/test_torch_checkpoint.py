@@ -121,7 +121,22 @@ CORRUPTIONS = [
     (("master_weights",), None, "0 master weights"),
     (("optimizer", "state", 0, "exp_avg"), lambda t: t * float("inf"),
      "\\['optimizer'\\]\\['state'\\]\\[0\\]\\['exp_avg'\\]"),
-    (("optimizer", "param_groups"), lambda g: g[:0], "parameter groups"),
+    (("optimizer", "param_groups"), lambda g: g[:0], "param groups"),
+    # torch's own load accepts these, and the step then fails (or, in a fused CPU
+    # kernel, a wrong shape reads and writes out of bounds): refused at load instead
+    (("optimizer", "state", 0, "exp_avg"), lambda t: t.reshape(-1),
+     "\\['state'\\]\\[0\\]\\['exp_avg'\\]` must have shape \\(6, 6\\)"),
+    (("optimizer", "state", 0, "exp_avg"), lambda t: t.tolist(), "must be a tensor"),
+    (("optimizer", "state", 0, "step"), _DELETE, "does not load into AdamW \\(KeyError"),
+    (("optimizer", "state", 0, "step"), torch.tensor(-1.0), "\\['step'\\]` must be a step"),
+    (("optimizer", "state", 0, "step"), torch.tensor(2.5), "\\['step'\\]` must be a step"),
+    (("optimizer", "state", 0, "step"), torch.tensor(3), "\\['step'\\]` must be a step"),
+    (("optimizer", "param_groups", 0, "lr"), float("nan"), "\\[0\\]\\['lr'\\]` is nan"),
+    (("optimizer", "param_groups", 0, "betas"), (0.9, float("inf")), "\\['betas'\\]` is"),
+    (("optimizer", "param_groups", 0, "betas"), (0.9,), "\\['betas'\\]` must be a sequence"),
+    (("optimizer", "param_groups", 0, "lr"), "1e-3", "\\['lr'\\]` must be a number"),
+    (("optimizer", "param_groups", 0, "lr"), _DELETE, "has no 'lr'"),
+    (("optimizer", "param_groups", 0, "params"), lambda ps: ps[:1], "must hold 4 params"),
     (("mode",), "torch", "from mode 'torch'"),
     (("format",), 2, "\\['format'\\]"),
 ]
@@ -266,3 +281,116 @@ def test_sparse_optimizer_state_loads_and_resumes_exactly(mode, cfg):
             w = after[pid][k]
             assert torch.equal(v.to_dense() if v.is_sparse else v,
                                w.to_dense() if w.is_sparse else w)
+
+
+def _fresh(optimizer, mode="torch", seed=0, **cfg):
+    net = tiny_model(seed)
+    _, opt, _ = mpfunc_torch.convert_to_amp(net, optimizer(net.parameters()), torch.nn.MSELoss(),
+                                            mode=mode, **cfg)
+    return net, opt
+
+
+def _train(net, opt, steps, seed=0):
+    for i in range(steps):
+        x, y = tiny_batch(seed * 100 + i)
+        opt.zero_grad()
+        opt.backward(torch.nn.functional.mse_loss(net(x.to(next(net.parameters()).dtype)
+                                                      ).float(), y))
+        opt.step()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_state_of_the_wrong_shape_is_refused_by_a_fresh_optimizer(fused):
+    # A fresh optimizer has no state to compare with: torch's optimizers keep each
+    # param's state in the param's shape. Before, fused AdamW stepped a (3, 3) exp_avg
+    # for a (6, 6) param on CPU, reading and writing past its end.
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=fused)  # noqa: E731
+    net, opt = _fresh(adamw)
+    _train(net, opt, 2)
+    ck = copy.deepcopy(opt.state_dict())
+    ck["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 3)
+    net2, opt2 = _fresh(adamw, seed=1)
+    params = [p.detach().clone() for p in net2.parameters()]
+    with pytest.raises(ValueError, match="\\['exp_avg'\\]` must have shape \\(6, 6\\) \\(AdamW's\\), "
+                                         "got \\(3, 3\\)"):
+        opt2.load_state_dict(ck)
+    assert not opt2.optimizer.state
+    assert all(torch.equal(a, b) for a, b in zip(params, net2.parameters()))
+
+
+def test_another_optimizers_checkpoint_is_refused_naming_what_it_lacks():
+    net, sgd = _fresh(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    _train(net, sgd, 2)
+    _, adam = _fresh(lambda ps: torch.optim.Adam(ps, lr=1e-3), seed=1)
+    _train(*_fresh(lambda ps: torch.optim.Adam(ps, lr=1e-3), seed=1), 0)
+    ck = adam.state_dict()
+    ck["optimizer"] = sgd.state_dict()["optimizer"]
+    before = copy.deepcopy(adam.state_dict())
+    with pytest.raises(ValueError, match="does not load into Adam .*lack \\['amsgrad', 'betas'"):
+        adam.load_state_dict(ck)
+    assert _same(before, adam.state_dict())
+
+
+def test_a_schedulers_group_key_may_be_missing_from_the_checkpoint():
+    # Only the optimizer's own hyperparameters (its defaults) must be in each group: a
+    # scheduler made before the load adds initial_lr, which a run without one never saved.
+    net, src = _fresh(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    _train(net, src, 2)
+    net2, opt = _fresh(lambda ps: torch.optim.AdamW(ps, lr=1e-2), seed=1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    assert "initial_lr" not in src.state_dict()["optimizer"]["param_groups"][0]
+    opt.load_state_dict(src.state_dict())
+    _train(net2, opt, 1)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 5e-3
+
+
+def test_factored_state_loads_and_a_wrong_factor_is_refused():
+    # Adafactor's state is not param-shaped (rows and columns): a fresh optimizer takes
+    # it as torch does; one with state compares each tensor with its own.
+    adafactor = lambda ps: torch.optim.Adafactor(ps, lr=1e-2)  # noqa: E731
+    net, opt = _fresh(adafactor)
+    _train(net, opt, 3)
+    ck = copy.deepcopy(opt.state_dict())
+    assert ck["optimizer"]["state"][0]["row_var"].shape == (6, 1)
+    net2, opt2 = _fresh(adafactor, seed=1)
+    opt2.load_state_dict(copy.deepcopy(ck))
+    net2.load_state_dict(net.state_dict())
+    _train(net, opt, 2, seed=5)
+    _train(net2, opt2, 2, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters()))
+    ck["optimizer"]["state"][0]["row_var"] = torch.ones(1, 6)
+    before = copy.deepcopy(opt2.state_dict())
+    with pytest.raises(ValueError, match="\\['row_var'\\]` must have shape \\(6, 1\\) \\(this "
+                                         "optimizer's state\\)"):
+        opt2.load_state_dict(ck)
+    assert _same(before, opt2.state_dict())
+
+
+def test_dcp_set_state_dict_refuses_a_bad_optimizer_part_changing_nothing():
+    # torch.distributed.checkpoint's layout (param names), in one process: the optimizer
+    # part is checked, torch's load on a scratch copy included, before the model is written.
+    net, opt = _fresh(lambda ps: torch.optim.AdamW(ps, lr=1e-2), mode="naive",
+                      initial_scale=2.0**8)
+    _train(net, opt, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    msd, osd = mpfunc_torch.get_state_dict(net, opt)
+    # it once added "master_weight" to the optimizer's own per-param state
+    assert _same(saved, opt.state_dict())
+    net2, opt2 = _fresh(lambda ps: torch.optim.AdamW(ps, lr=1e-2), mode="naive", seed=1,
+                        initial_scale=2.0**8)
+    before = copy.deepcopy(opt2.state_dict())
+    params = [p.detach().clone() for p in net2.parameters()]
+    for corrupt, match in [(lambda o: o["state"]["2.weight"].pop("step"), "KeyError: 'step'"),
+                           (lambda o: o["param_groups"][0].update(lr=float("nan")), "'lr'"),
+                           (lambda o: o["state"]["0.bias"].update(step=torch.tensor(-2.0)),
+                            "\\[1\\]\\['step'\\]` must be a step count")]:
+        bad = copy.deepcopy(osd)
+        corrupt(bad)
+        with pytest.raises(ValueError, match="`optim_state_dict`, checked as .*" + match):
+            mpfunc_torch.set_state_dict(net2, opt2, model_state_dict=copy.deepcopy(msd),
+                                        optim_state_dict=bad)
+        assert _same(before, opt2.state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(params, net2.parameters()))
+    mpfunc_torch.set_state_dict(net2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    assert _same(opt.state_dict(), opt2.state_dict())

@@ -6,6 +6,9 @@ leaves the optimizer, its loss scalers and its master weights exactly as they we
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections import OrderedDict, defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +23,20 @@ __all__ = ["save", "check", "load"]
 
 FORMAT = 1
 _KEYS = ("format", "mode", "opt_level", "optimizer", "scalers", "master_weights")
+# torch.optim's optimizers whose per-param state tensors are scalars or of the param's
+# shape (not Adafactor's factored rows and columns). A state of another shape loads
+# into torch without complaint and then fails in the step, or, in a fused CPU kernel,
+# reads and writes out of bounds.
+_PARAM_SHAPED = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad",
+    "Adadelta", "ASGD", "SparseAdam", "Muon") if hasattr(torch.optim, n))
+# ... and those whose state is tensors, None or numbers, with a step count under "step"
+_ADAFACTOR = getattr(torch.optim, "Adafactor", None)  # row and column factors
+_TORCH_OPTIM = _PARAM_SHAPED + ((_ADAFACTOR,) if _ADAFACTOR is not None else ())
+# How this process runs the step, not training state: kept from the loading optimizer.
+# torch's load takes them from the checkpoint, so a fused optimizer resumed from a
+# foreach run steps foreach, and the fused path's grad_scale / found_inf then fail.
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 def save(opt: AmpOptimizer) -> dict[str, Any]:
@@ -33,8 +50,9 @@ def save(opt: AmpOptimizer) -> dict[str, Any]:
     }
 
 
-def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list]:
-    """Every check of `load`, changing nothing; returns the scaler values and masters."""
+def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, dict]:
+    """Every check of `load`, changing nothing; returns the scaler values, the masters
+    and the inner state_dict to load (with this optimizer's implementation flags)."""
     _check_header(state_dict, opt.plan)
     scalers = state_dict["scalers"]
     if not isinstance(scalers, list | tuple) or len(scalers) != len(opt._scalers):
@@ -46,13 +64,14 @@ def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list]:
     masters = check_saved_masters(state_dict["master_weights"], opt._pairs,
                                   "state_dict['master_weights']")
     _check_inner_state(state_dict["optimizer"], "state_dict['optimizer']")
-    return values, masters
+    inner = _check_inner_fits(opt.optimizer, state_dict["optimizer"], "state_dict['optimizer']")
+    return values, masters, inner
 
 
 def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
-    values, masters = check(opt, state_dict)
-    # torch's own load validates the groups before it replaces anything.
-    opt.optimizer.load_state_dict(state_dict["optimizer"])
+    values, masters, inner = check(opt, state_dict)
+    # `check` ran torch's own load on a scratch copy, so this one does not fail.
+    opt.optimizer.load_state_dict(inner)
     for s, v in zip(opt._scalers, values):
         s._apply(v)
     with torch.no_grad():
@@ -98,3 +117,145 @@ def _check_inner_state(inner: Any, where: str) -> None:
     if found and not bool(torch.stack([f.cpu() for _, f in found]).all()):
         name = next(n for n, f in found if not bool(f))
         raise ValueError(f"`{name}` holds inf/NaN values; optimizer state must be finite.")
+
+
+def _check_inner_fits(inner: torch.optim.Optimizer, saved: dict[str, Any],
+                      where: str) -> dict[str, Any]:
+    """The inner state_dict loads into ``inner`` and fits its params, checked without
+    changing ``inner``: torch's own ``load_state_dict`` runs on a scratch copy of it
+    (the same params, a fresh state, no hooks), so whatever torch or the optimizer's
+    ``__setstate__`` refuses is refused here, before anything is written. That costs no
+    copy unless the saved tensors need moving to the params' device or dtype. Returns
+    ``saved`` with ``inner``'s implementation flags in its groups, to load."""
+    groups, live = saved["param_groups"], inner.param_groups
+    if not isinstance(groups, list | tuple) or len(groups) != len(live):
+        n = len(groups) if isinstance(groups, list | tuple) else type(groups).__name__
+        raise ValueError(f"`{where}['param_groups']` must list {len(live)} param groups (this "
+                         f"optimizer's), got {n}.")
+    for i, (g, lg) in enumerate(zip(groups, live)):
+        n = len(g.get("params", ())) if isinstance(g, dict) else None
+        if n != len(lg["params"]):
+            raise ValueError(f"`{where}['param_groups'][{i}]` must hold {len(lg['params'])} "
+                             f"params (this optimizer's group {i}), got {n}.")
+        for key, value in g.items():
+            if key != "params" and _non_finite(value) and not _non_finite(lg.get(key)):
+                raise ValueError(f"`{where}['param_groups'][{i}][{key!r}]` is {value!r}; this "
+                                 f"optimizer's is finite ({lg.get(key)!r}).")
+    groups = [{**g, **{k: lg[k] for k in _IMPLEMENTATION if k in lg}}
+              for g, lg in zip(groups, live)]
+    saved = {**saved, "param_groups": groups}
+    scratch = object.__new__(type(inner))
+    scratch.__dict__.update(inner.__dict__)
+    scratch.__dict__.update(state=defaultdict(dict), defaults=dict(inner.defaults),
+                            _optimizer_load_state_dict_pre_hooks=OrderedDict(),
+                            _optimizer_load_state_dict_post_hooks=OrderedDict())
+    try:
+        scratch.load_state_dict(saved)
+    except Exception as e:  # torch's and the optimizer's own refusals, whatever their type
+        lacks = sorted(set(inner.defaults) - {k for g in groups for k in g})
+        hint = (f"; its param groups lack {lacks}: was it saved from another optimizer?"
+                if lacks else ".")
+        raise ValueError(f"`{where}` does not load into {type(inner).__name__} "
+                         f"({type(e).__name__}: {e}){hint}") from e
+    for i, (g, lg) in enumerate(zip(scratch.param_groups, live)):
+        _check_group(g, lg, inner.defaults, f"{where}['param_groups'][{i}]",
+                     type(inner).__name__)
+    pid_of = {id(q): k for k, q in zip(itertools.chain(*(g["params"] for g in groups)),
+                                       itertools.chain(*(g["params"] for g in live)))}
+    for q, st in scratch.state.items():
+        if not isinstance(q, torch.Tensor) or not isinstance(st, dict):
+            continue
+        have = inner.state.get(q, {})
+        for key, t in st.items():
+            name = f"{where}['state'][{pid_of[id(q)]!r}][{key!r}]"
+            if isinstance(inner, _TORCH_OPTIM):
+                if key == "step":
+                    _check_step(t, name)
+                elif not (t is None or isinstance(t, torch.Tensor) or _is_number(t)):
+                    raise ValueError(f"`{name}` must be a tensor, got {type(t).__name__}.")
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                continue
+            want = have.get(key)
+            if isinstance(want, torch.Tensor):
+                shape, whose = want.shape, "this optimizer's state"
+            else:
+                shape, whose = _state_shape(inner, q, key), f"{type(inner).__name__}'s"
+            if shape is not None and t.shape != shape:
+                raise ValueError(f"`{name}` must have shape {tuple(shape)} ({whose}), got "
+                                 f"{tuple(t.shape)}.")
+    return saved
+
+
+def _state_shape(inner: torch.optim.Optimizer, q: torch.Tensor, key: Any) -> Any:
+    """The shape torch.optim's optimizer gives ``q``'s state ``key``; None: not known."""
+    if isinstance(inner, _PARAM_SHAPED):
+        return q.shape
+    if _ADAFACTOR is not None and isinstance(inner, _ADAFACTOR):
+        factor = {"row_var": -1, "col_var": -2}.get(key)
+        if key == "variance" or factor is not None and q.dim() < 2:
+            return q.shape
+        if factor is not None:
+            shape = list(q.shape)
+            shape[factor] = 1
+            return torch.Size(shape)
+    return None
+
+
+def _check_group(saved: dict[str, Any], live: dict[str, Any], defaults: dict[str, Any],
+                 where: str, cls: str) -> None:
+    """A loaded param group (after the optimizer's ``__setstate__`` filled in the keys
+    older torch versions lack) has every hyperparameter of this optimizer's, numbers
+    where it has numbers, booleans where it has booleans and tuples of the same length
+    (an SGD group loaded into Adam has no ``betas``: torch loads it and the step fails).
+    Other keys (a scheduler's ``initial_lr``) may be missing."""
+    for key, want in live.items():
+        if key in ("params", "param_names"):
+            continue
+        if key not in saved:
+            if key not in defaults:
+                continue
+            raise ValueError(f"`{where}` has no {key!r} (a {cls} param group has); was it "
+                             "saved from another optimizer?")
+        got = saved[key]
+        if isinstance(want, bool) and not isinstance(got, bool):
+            raise ValueError(f"`{where}[{key!r}]` must be True or False (this optimizer's is "
+                             f"{want!r}), got {got!r}.")
+        if _is_number(want) and not _is_number(got):
+            raise ValueError(f"`{where}[{key!r}]` must be a number (this optimizer's is "
+                             f"{want!r}), got {got!r}.")
+        if isinstance(want, tuple | list) and (not isinstance(got, tuple | list)
+                                              or len(got) != len(want)):
+            raise ValueError(f"`{where}[{key!r}]` must be a sequence of {len(want)} like this "
+                             f"optimizer's {want!r}, got {got!r}.")
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and value.dtype != torch.bool
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_step(step: Any, where: str) -> None:
+    """torch.optim's step counts: a whole number >= 0, a float32/float64 scalar if a
+    tensor (-1 makes Adam's bias correction divide by zero; an int or float16 tensor
+    fails foreach's grouping)."""
+    if isinstance(step, torch.Tensor):
+        ok = step.dim() == 0 and step.dtype in (torch.float32, torch.float64)
+        value = float(step) if ok else None
+    else:
+        ok, value = _is_number(step), step
+    if not ok or not (math.isfinite(value) and value >= 0 and value == int(value)):
+        found = (f"a {step.dtype} tensor of shape {tuple(step.shape)}"
+                 if isinstance(step, torch.Tensor) and not ok else repr(value if ok else step))
+        raise ValueError(f"`{where}` must be a step count (a whole number >= 0, as a "
+                         f"float32/float64 scalar tensor or a number), got {found}.")
+
+
+def _non_finite(value: Any) -> bool:
+    """A hyperparameter holding an inf/NaN float (or float tensor), also in a tuple."""
+    if isinstance(value, list | tuple):
+        return any(_non_finite(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point() and not bool(torch.isfinite(value).all())
+    return isinstance(value, float) and not math.isfinite(value)
+

@@ -119,6 +119,8 @@ class _View(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = self.inner.state_dict()
+        # torch's state_dict hands out the live per-param dicts: add to copies of them
+        sd["state"] = {pid: dict(st) for pid, st in sd["state"].items()}
         for pid, m in enumerate(self.masters):
             if m is not None:
                 sd["state"].setdefault(pid, {})[MASTER_KEY] = m.detach()
@@ -215,7 +217,12 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
     api.set_optimizer_state_dict(module, views, rest, options=options)
     converted = [_to_amp_state_dict(v, own) for v in views]
     for o, sd in zip(opts, converted):
-        checkpoint.check(o, sd)
+        try:
+            checkpoint.check(o, sd)
+        except ValueError as e:
+            raise ValueError(f"`optim_state_dict`, checked as the AmpOptimizer.state_dict it "
+                             f"converts to (params numbered in the optimizer's order): {e}"
+                             ) from e
     if getattr(options, "strict", True):
         _check_model_state(module, model_state_dict)
     api.set_model_state_dict(module, model_state_dict, options=options)

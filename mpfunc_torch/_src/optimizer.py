@@ -426,9 +426,12 @@ class AmpOptimizer(WrappedOptimizer):
 
         Everything is checked before anything is written: a checkpoint of another mode,
         a missing key, a corrupt value (a non-finite, zero or negative scale, a counter
-        out of range, a non-float32 or non-finite master, a non-finite optimizer state)
-        raises ``ValueError`` naming the key and leaves this optimizer as it was. The
-        loss-scale hyperparameters stay this optimizer's own (see `state_dict`).
+        out of range, a non-float32 or non-finite master, a non-finite optimizer state,
+        a state of the wrong shape, a step count below 0, a param group without this
+        optimizer's hyperparameters, whatever torch's own load refuses) raises
+        ``ValueError`` naming the key and leaves this optimizer as it was. The
+        loss-scale hyperparameters and the inner optimizer's ``foreach`` / ``fused`` /
+        ``capturable`` / ``differentiable`` flags stay this optimizer's own.
         """
         def load(state_dict):
             checkpoint.load(self, state_dict)
