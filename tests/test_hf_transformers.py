@@ -200,3 +200,31 @@ def test_step_chunks_trains_a_real_model_bit_for_bit(name, mode, cfg):
     assert flags1 == flags3 and any(flags3)
     assert all(torch.equal(params1[n], params3[n]) for n in params1)
     assert all(torch.equal(a, b) for a, b in zip(masters1, masters3))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("mode, cfg", [("naive", {}), ("torch", {})])
+def test_load_state_dict_is_all_or_nothing_on_a_real_model(name, mode, cfg):
+    # torch copies what fits and raises after; the converted model refuses first.
+    net = build(name)
+    model, opt, _ = convert(net, mode, cfg)
+    before = ([t.clone() for t in net.state_dict().values()]
+              + [m.clone() for _, m in opt._pairs])
+    other = build(name, seed=1).state_dict()
+    key = next(k for k in other if k.endswith("embed_tokens.weight") or k.endswith("wte.weight")
+               or k.endswith("word_embeddings.weight"))
+    wrong = {**other, key: other[key][:-1]}  # another vocabulary size
+    with pytest.raises(ValueError, match=f"nothing was loaded.*size mismatch for {key}"):
+        model.load_state_dict(wrong)
+    with pytest.raises(RuntimeError, match="missing keys"):  # torch's type too
+        net.load_state_dict({k: v for k, v in other.items() if k != key})
+    after = [t for t in net.state_dict().values()] + [m for _, m in opt._pairs]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # what fits loads as before: the whole checkpoint, or a part with strict=False
+    net.load_state_dict({k: v for k, v in other.items() if k != key}, strict=False)
+    model.load_state_dict(other)
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, other[k].to(v.dtype)), k
+    name_of = {id(p): n for n, p in net.named_parameters()}
+    for p, m in opt._pairs:  # the masters took the float32 values exactly
+        assert torch.equal(m, other[name_of[id(p)]]), name_of[id(p)]

@@ -1,14 +1,19 @@
-"""Fault injection into `AmpOptimizer` checkpoints (mpfunc_torch._src.checkpoint): random
-corruptions are refused whole or load and train finite, and a state saved by one
-implementation of an optimizer (foreach, fused) resumes in another."""
+"""Fault injection into checkpoints (mpfunc_torch._src.checkpoint): random corruptions of
+an `AmpOptimizer`'s state dict are refused whole or load and train finite; a state
+saved by one implementation of an optimizer (foreach, fused) resumes in another; and a
+converted model's `load_state_dict` refuses, before copying anything, what torch would
+refuse after copying the rest."""
 
 import copy
 import random
+import re
 
 import pytest
 import torch
 from test_torch_checkpoint import _fresh, _same, _train
 from torch_task import tiny_batch, tiny_model
+
+import mpfunc_torch
 
 _OPTIMIZERS = {
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
@@ -159,3 +164,137 @@ def test_torch_takes_the_implementation_flags_from_the_checkpoint():
     with pytest.raises(AssertionError, match="grad_scale and found_inf"):
         scaler.step(fused)
 
+
+# -- the converted model's load_state_dict: all or nothing -------------------------------
+
+class _LoadsItself(torch.nn.Module):
+    """Custom loading (renames an old key), which the check leaves to torch."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if prefix + "old_w" in state_dict:
+            state_dict[prefix + "w"] = state_dict.pop(prefix + "old_w")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 6)
+        self.shared = torch.nn.Linear(6, 6)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(self.shared, torch.nn.GELU()),
+                                           torch.nn.Sequential(torch.nn.Linear(6, 6, bias=False),
+                                                               torch.nn.BatchNorm1d(6))])
+        self.norm = torch.nn.LayerNorm(6)
+        self.frozen = torch.nn.Parameter(torch.randn(6), requires_grad=False)
+        self.custom = _LoadsItself()
+        self.head = torch.nn.Linear(6, 2)
+        self.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h) * self.frozen) + self.custom.w.sum()
+
+
+def _model_corruptions(sd, rng):
+    keys = sorted(sd)
+    key = rng.choice(keys)
+    kind = rng.choice(["delete", "extra", "shape", "type", "nan", "inf_buffer", "double",
+                       "scalar_1d", "rename_custom", "none"])
+    if kind == "delete":
+        del sd[key]
+    elif kind == "extra":
+        sd[rng.choice(["", "blocks.1.", "blocks.0.0.", "custom.", "nothing."]) + "extra"] = (
+            torch.zeros(1))
+    elif kind == "shape":
+        sd[key] = sd[key].reshape(-1)[:-1] if sd[key].numel() > 1 else sd[key][None, None]
+    elif kind == "type":
+        sd[key] = sd[key].tolist()
+    elif kind == "nan" and sd[key].is_floating_point():
+        sd[key] = sd[key].clone().index_fill_(0, torch.tensor([0]), float("nan")) \
+            if sd[key].dim() else torch.tensor(float("nan"))
+    elif kind == "inf_buffer":
+        sd["mask"] = torch.tensor([float("-inf"), 0.0])
+    elif kind == "double" and sd[key].is_floating_point():
+        sd[key] = sd[key].double()
+    elif kind == "scalar_1d":
+        sd["blocks.1.1.num_batches_tracked"] = torch.tensor([7])
+    elif kind == "rename_custom":
+        sd["custom.old_w"] = sd.pop("custom.w")
+    return kind
+
+
+def _convert(mode, cfg, seed):
+    torch.manual_seed(seed)
+    net = _Net()
+    model, opt, _ = mpfunc_torch.convert_to_amp(net, torch.optim.AdamW(net.parameters()),
+                                                mode=mode, **cfg)
+    return net, opt, model
+
+
+@pytest.mark.parametrize("mode, cfg", [("torch", {}), ("naive", {}),
+                                       ("apex", {"opt_level": "O2", "verbosity": 0}),
+                                       ("bf16", {})])
+def test_model_loads_are_all_or_nothing_and_otherwise_torchs(mode, cfg):
+    """Differential: the same corrupt checkpoint into two converted twins, one with the
+    check's hooks removed (torch's own load, which copies what fits and raises after).
+    Where torch raises, the check raises first and nothing changed: params, buffers
+    and masters. Where torch loads, the check loads the same bits, except that it
+    refuses inf/NaN in a trainable param (torch would load it). The one exception: keys
+    under a module with its own `_load_from_state_dict` (here `custom`, which renames an
+    old key) are torch's to judge, after it has copied the rest."""
+    src, _, _ = _convert(mode, cfg, 0)
+    saved = {k: v.float() if v.is_floating_point() else v for k, v in src.state_dict().items()}
+    outcomes = set()
+    for seed in range(40):
+        rng = random.Random(seed)
+        sd = copy.deepcopy(saved)
+        kind = _model_corruptions(sd, rng)
+        strict, assign = rng.random() < 0.7, rng.random() < 0.2
+        net, opt, _ = _convert(mode, cfg, 1)
+        twin, twin_opt, twin_model = _convert(mode, cfg, 1)
+        for h in twin_model._load_guards:
+            h.remove()
+        before = _model_leaves(net, opt)
+        torch_error = ours = None
+        try:
+            twin.load_state_dict(copy.deepcopy(sd), strict=strict, assign=assign)
+        except RuntimeError as e:
+            torch_error = e
+        try:
+            net.load_state_dict(copy.deepcopy(sd), strict=strict, assign=assign)
+        except RuntimeError as e:  # the check's error is a ValueError and a RuntimeError
+            ours = e
+        where = (seed, kind, strict, assign, str(ours)[:200], str(torch_error)[:200])
+        if isinstance(ours, ValueError):
+            assert all(map(_identical, before, _model_leaves(net, opt))), where
+            assert torch_error is not None or "inf/NaN" in str(ours), where
+            outcomes.add("refused")
+        elif torch_error is not None:  # only where a module loads itself: torch's to check
+            assert str(ours) == str(torch_error), where
+            keys = [k for k in re.findall(r"\b[a-z_]\w*(?:\.\w+)+", str(torch_error))
+                    if not k.startswith("torch.")]  # the keys it names
+            assert keys and all(k.startswith("custom.") for k in keys), where
+            outcomes.add("torch's")
+        else:
+            assert all(map(_identical, _model_leaves(twin, twin_opt), _model_leaves(net, opt))
+                       ), where
+            outcomes.add("loaded")
+    assert outcomes == {"refused", "loaded", "torch's"}
+
+
+def _model_leaves(net, opt):
+    return ([t.detach().clone() for t in net.state_dict().values()]
+            + [m.detach().clone() for _, m in opt._pairs])
+
+
+def _identical(a, b):  # bit for bit, NaN included
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+        b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))

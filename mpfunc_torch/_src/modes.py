@@ -11,6 +11,7 @@ from torch import nn
 
 from _mpfunc_common.amp_config import resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
+from mpfunc_torch._src.checkpoint import guard_model_loads
 from mpfunc_torch._src.chunked_step import PER_PARAM_OPTIMIZERS
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.fp8_convert import convert_to_fp8
@@ -325,6 +326,7 @@ def convert_to_amp(
                      shared=shared, step_chunks=step_chunks)
         for opt in optimizers[1:]
     ]
+    amp_model._load_guards = guard_model_loads(model)  # before the masters' load hooks
     pairs = [pair for opt in amp_opts for pair in opt._pairs]
     if pairs:
         versions = {id(p): opt._versions for opt in amp_opts for p, _ in opt._pairs}
