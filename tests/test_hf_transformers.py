@@ -228,3 +228,43 @@ def test_load_state_dict_is_all_or_nothing_on_a_real_model(name, mode, cfg):
     name_of = {id(p): n for n, p in net.named_parameters()}
     for p, m in opt._pairs:  # the masters took the float32 values exactly
         assert torch.equal(m, other[name_of[id(p)]]), name_of[id(p)]
+
+
+@pytest.mark.parametrize("mode, cfg", [("apex", {"opt_level": "O1", "verbosity": 0}),
+                                       ("naive", {"initial_scale": 2.0**12}), ("torch", {})])
+def test_activation_checkpointing_trains_bit_for_bit(mode, cfg):
+    # torch's checkpoint restores autocast for the recompute, not apex O1's fp32 list:
+    # without checkpoint_context_fn GPT-2's gelu (pow, tanh) recomputed in float16.
+    def run(checkpointing, context=True):
+        net = build("gpt2")
+        model, opt, _ = convert(net, mode, cfg)
+        if checkpointing:
+            kw = {"use_reentrant": False}
+            if context:
+                kw["context_fn"] = mpfunc_torch.checkpoint_context_fn(model)
+            if hasattr(net, "activation_checkpointing_enable"):  # transformers >= 5
+                net.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+        model.train()
+        x, y = data("gpt2")
+        losses = []
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(input_ids=x, labels=y).loss
+            opt.backward(loss * (float("inf") if step == 1 else 1.0))
+            losses.append((loss.item(), bool(opt.step())))
+        return losses, [p.detach().clone() for p in net.parameters()]
+
+    plain, checkpointed = run(False), run(True)
+    assert [s for _, s in plain[0]] == [True, False, True]
+    assert plain[0] == checkpointed[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], checkpointed[1], strict=True))
+    if cfg.get("opt_level") == "O1":  # torch's own checkpoint, no context: what it fixes
+        with pytest.raises(torch.utils.checkpoint.CheckpointError, match="dtype"):
+            run(True, context=False)
+
+
+def test_checkpoint_context_fn_refuses_what_is_not_a_model():
+    with pytest.raises(TypeError, match="`model` must be a model from convert_to_amp"):
+        mpfunc_torch.checkpoint_context_fn(lambda x: x)

@@ -161,3 +161,60 @@ def test_fp8_delayed_compiles_to_one_graph_and_keeps_the_same_histories():
         assert torch.equal(buf[k], eager_buf[k]), k
     assert (buf["fc1.fp8_amax_history_input"][:3] > 0).all()  # three steps recorded
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses))
+
+
+
+def test_o1_activation_checkpointing_under_compile_takes_the_context_fn():
+    # Under torch.compile torch takes only selective-checkpoint contexts as context_fn;
+    # checkpoint_context_fn hands it ones that recompute everything, which compiles to
+    # the same training as no context_fn, bit for bit (eager: test_hf_transformers).
+    # torch 2.13's dynamo traces the checkpointed region without the fp32-list mode, so
+    # there O1's list computes at autocast's precision (pinned below; README).
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+            self.context_fn = None  # None: no context_fn passed
+
+        def block(self, i, x):
+            h = self.fc[i](x)
+            return x + 0.5 * h * (1 + torch.tanh(0.79 * (h + 0.044 * torch.pow(h, 3.0))))
+
+        def forward(self, x):
+            for i in range(3):
+                kw = {} if self.context_fn is None else {"context_fn": self.context_fn}
+                x = checkpoint(self.block, i, x, use_reentrant=False, **kw)
+            return x.float().square().mean()
+
+    def train(context):
+        torch.manual_seed(0)
+        net = Net()
+        model, opt, _ = mpfunc_torch.convert_to_amp(
+            net, torch.optim.SGD(net.parameters(), lr=0.01), mode="apex", opt_level="O1",
+            verbosity=0)
+        if context:
+            net.context_fn = mpfunc_torch.checkpoint_context_fn(model)
+        counter = CompileCounterWithBackend("aot_eager")
+        step = torch.compile(model, backend=counter, fullgraph=True)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(step(torch.randn(4, 16, generator=g)))
+            opt.step()
+        assert counter.frame_count == 1
+        return [p.detach().clone() for p in net.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(train(True), train(False), strict=True))
+
+    class Pow(torch.nn.Linear):  # the limit: pow is float32 in eager O1
+        def forward(self, x):
+            return checkpoint(torch.pow, super().forward(x), 3.0, use_reentrant=False)
+
+    net = Pow(4, 4)
+    model, _, _ = mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                              mode="apex", opt_level="O1", verbosity=0)
+    x = torch.randn(2, 4)
+    assert model(x).dtype == torch.float32
+    assert torch.compile(model, backend="aot_eager")(x).dtype == torch.float16
