@@ -298,3 +298,38 @@ def _identical(a, b):  # bit for bit, NaN included
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
         b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("mode, cfg", [("torch", {}), ("naive", {"initial_scale": 2.0**8})])
+def test_a_parent_round_trips_and_checks_the_converted_part(mode, cfg):
+    # DDP(model) or any module holding the AmpModel: its state_dict has the wrapped
+    # module's keys under "module." (AmpModel.state_dict), and its load used to look
+    # for "module.module.*" (missing keys: no round trip). A child named "module" too.
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 2)
+
+    def parent(seed):
+        torch.manual_seed(seed)
+        net = Net()
+        model, opt, _ = mpfunc_torch.convert_to_amp(net, torch.optim.AdamW(net.parameters()),
+                                                    mode=mode, **cfg)
+        holder = torch.nn.Module()
+        holder.module = model
+        return holder, net, opt
+
+    src, src_net, _ = parent(0)
+    saved = copy.deepcopy(src.state_dict())
+    assert sorted(saved) == ["module.head.bias", "module.head.weight", "module.module.bias",
+                             "module.module.weight"]
+    dst, net, opt = parent(1)
+    bad = {**saved, "module.head.weight": saved["module.head.weight"][:1]}
+    before = _model_leaves(net, opt)
+    with pytest.raises(ValueError, match="nothing was loaded.*size mismatch for head.weight"):
+        dst.load_state_dict(bad)
+    assert all(map(_identical, before, _model_leaves(net, opt)))
+    dst.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(src_net.state_dict().values(),
+                                                 net.state_dict().values()))

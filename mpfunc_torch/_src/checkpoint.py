@@ -282,16 +282,23 @@ def guard_model_loads(model: nn.Module) -> list[Any]:
     leaves a half-loaded model, and with master weights half-loaded masters. A pre-hook
     on the module ``load_state_dict`` was called on checks the whole checkpoint first,
     as torch would, and refuses it before anything is copied; it also refuses inf/NaN in
-    a trainable param (buffers may hold them: attention masks). Modules that load
-    themselves (their own ``_load_from_state_dict``) or carry other load pre-hooks
-    (which may rename keys) are left, with their submodules, to torch's own checks.
-    Returns the hook handles."""
-    return [m.register_load_state_dict_pre_hook(_guard_load) for m in model.modules()]
+    a trainable param (buffers may hold them: attention masks). ``model`` itself checks
+    its part whenever it is loaded, also from a wrapper (DDP's ``load_state_dict``, with
+    keys under ``module.``). Modules that load themselves (their own
+    ``_load_from_state_dict``) or carry other load pre-hooks (which may rename keys) are
+    left, with their submodules, to torch's own checks. Returns the hook handles."""
+    return [m.register_load_state_dict_pre_hook(_guard_load if m is not model else _guard_root)
+            for m in model.modules()]
 
 
 def _guard_load(module, state_dict, prefix, *_):
     if not prefix:  # the module whose load_state_dict was called; submodules have one
         check_model_state(module, state_dict, _callers_strict())
+
+
+def _guard_root(module, state_dict, prefix, *_):
+    mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    check_model_state(module, mine, _callers_strict())
 
 
 def _callers_strict() -> bool:
@@ -370,6 +377,7 @@ def _loads_itself(m: nn.Module) -> bool:
         return True
     for h in m._load_state_dict_pre_hooks.values():
         fn = getattr(h, "hook", h)
-        if fn is not _guard_load and not isinstance(getattr(fn, "__self__", None), _LoadFollower):
+        if fn not in (_guard_load, _guard_root) and not isinstance(
+                getattr(fn, "__self__", None), _LoadFollower):
             return True
     return False

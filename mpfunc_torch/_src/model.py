@@ -157,6 +157,7 @@ class AmpModel(nn.Module):
             target.forward = _AmpForward(target, plan, device_type)
         # The params the optimizer was converted over: checked once, at the first forward.
         self._converted_params: list[nn.Parameter] | None = list(module.parameters())
+        self.register_load_state_dict_pre_hook(_nest_keys)
 
     def forward(self, *args, **kwargs):
         if self._converted_params is not None and not torch.compiler.is_compiling():
@@ -197,6 +198,16 @@ class AmpModel(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _nest_keys(amp_model, state_dict, prefix, *_):
+    """`AmpModel.state_dict` has the wrapped module's keys, also inside a parent (DDP's
+    ``module.0.weight``); a parent's load reaches the wrapped module under ``module.``,
+    so every key under this prefix moves there (the wrapper has no state of its own),
+    and the parent's ``load_state_dict(parent.state_dict())`` round-trips."""
+    moved = {prefix + "module." + k[len(prefix):]: state_dict.pop(k)
+             for k in [k for k in state_dict if k.startswith(prefix)]}
+    state_dict.update(moved)
 
 
 def checkpoint_context_fn(model: nn.Module) -> Callable[[], tuple[Any, Any]]:
