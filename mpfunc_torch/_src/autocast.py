@@ -1,4 +1,5 @@
-"""apex O1's fp32 function list, enforced on top of ``torch.autocast``.
+"""apex O1's fp32 function list, enforced on top of ``torch.autocast`` (also in the
+recompute of activation checkpointing: `checkpoint_context_fn`).
 
 ``torch.autocast`` already runs many precision-sensitive ops in float32 on CUDA, but
 its lists differ by device (on CPU, fp16 autocast runs softmax, exp, layer_norm and sum
@@ -17,6 +18,11 @@ constant instead.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
@@ -24,7 +30,7 @@ from torch.utils._pytree import tree_map_only
 
 from _mpfunc_common.amp_config import APEX_O1_FP32_FUNCTIONS
 
-__all__ = ["Fp32Functions", "fp32_callables"]
+__all__ = ["Fp32Functions", "fp32_callables", "checkpoint_context_fn"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -69,3 +75,65 @@ class Fp32Functions(TorchFunctionMode):
             with torch.autocast(self.device_type, enabled=False):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def checkpoint_context_fn(model: torch.nn.Module) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` that makes activation checkpointing recompute in the mode.
+
+    ``torch.utils.checkpoint.checkpoint`` restores ``torch.autocast`` for the recompute
+    but no other torch function mode, so in apex O1 the ops on its fp32 list recompute
+    at autocast's precision, not in float32 as in the forward. The non-reentrant
+    checkpoint then raises ``CheckpointError`` (the recomputed tensors' dtypes differ);
+    the reentrant one does not check. Pass this as ``context_fn`` (non-reentrant only,
+    torch's rule): the recompute runs under the fp32 list too, and training equals the
+    run without checkpointing bit for bit. In the other modes it adds nothing, so it can
+    always be passed, also under ``torch.compile`` (which takes only selective-checkpoint
+    contexts there: it gets ones that recompute everything, and the compiled graph
+    recomputes with the mode's casts in it).
+
+    Args:
+      model: the model from `convert_to_amp`, or the module it converted.
+
+    Returns:
+      A callable returning torch's ``(forward_context, recompute_context)`` pair.
+
+    Examples:
+      >>> import torch, mpfunc_torch
+      >>> from torch.utils.checkpoint import checkpoint
+      >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
+      >>> model, opt, _ = mpfunc_torch.convert_to_amp(
+      ...     net, torch.optim.SGD(net.parameters(), lr=0.1), mode="apex", opt_level="O1",
+      ...     verbosity=0)
+      >>> fn = mpfunc_torch.checkpoint_context_fn(model)
+      >>> with torch.autocast("cpu", dtype=torch.float16):
+      ...     y = checkpoint(net, torch.randn(2, 4), use_reentrant=False, context_fn=fn)
+      >>> # HuggingFace: model.activation_checkpointing_enable(activation_checkpointing_kwargs=
+      >>> #     {"use_reentrant": False, "context_fn": fn})
+    """
+    from mpfunc_torch._src.model import AmpModel, _AmpForward, _uncompiled
+
+    module = model.module if isinstance(model, AmpModel) else model
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"`model` must be a model from convert_to_amp, got "
+                        f"{type(model).__name__}.")
+    forward = vars(_uncompiled(module)).get("forward")
+    o1 = (isinstance(forward, _AmpForward) and forward.fp32_functions
+          and forward.autocast_dtype is not None)
+    return functools.partial(_checkpoint_contexts, forward.device_type if o1 else None)
+
+
+def _checkpoint_contexts(device_type: str | None) -> tuple[Any, Any]:
+    if torch.compiler.is_compiling():
+        # The compiled graph recomputes with the mode's casts already in it, and torch
+        # takes only its selective-checkpoint modes here: recompute everything.
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        return create_selective_checkpoint_contexts(_recompute_all)
+    recompute = Fp32Functions(device_type) if device_type else contextlib.nullcontext()
+    return contextlib.nullcontext(), recompute
+
+
+def _recompute_all(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE

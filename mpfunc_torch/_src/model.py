@@ -9,10 +9,8 @@ the precision holds wherever the module is called from: through the returned
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +26,6 @@ from mpfunc_torch._src.sharding import cast_module_, is_dtensor
 __all__ = [
     "AmpModel",
     "AmpCriterion",
-    "checkpoint_context_fn",
     "cast_model",
     "cast_floats",
     "is_norm_module",
@@ -208,66 +205,6 @@ def _nest_keys(amp_model, state_dict, prefix, *_):
     moved = {prefix + "module." + k[len(prefix):]: state_dict.pop(k)
              for k in [k for k in state_dict if k.startswith(prefix)]}
     state_dict.update(moved)
-
-
-def checkpoint_context_fn(model: nn.Module) -> Callable[[], tuple[Any, Any]]:
-    """The ``context_fn`` that makes activation checkpointing recompute in the mode.
-
-    ``torch.utils.checkpoint.checkpoint`` restores ``torch.autocast`` for the recompute
-    but no other torch function mode, so in apex O1 the ops on its fp32 list recompute
-    at autocast's precision, not in float32 as in the forward. The non-reentrant
-    checkpoint then raises ``CheckpointError`` (the recomputed tensors' dtypes differ);
-    the reentrant one does not check. Pass this as ``context_fn`` (non-reentrant only,
-    torch's rule): the recompute runs under the fp32 list too, and training equals the
-    run without checkpointing bit for bit. In the other modes it adds nothing, so it can
-    always be passed, also under ``torch.compile`` (which takes only selective-checkpoint
-    contexts there: it gets ones that recompute everything, and the compiled graph
-    recomputes with the mode's casts in it).
-
-    Args:
-      model: the model from `convert_to_amp`, or the module it converted.
-
-    Returns:
-      A callable returning torch's ``(forward_context, recompute_context)`` pair.
-
-    Examples:
-      >>> import torch, mpfunc_torch
-      >>> from torch.utils.checkpoint import checkpoint
-      >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
-      >>> model, opt, _ = mpfunc_torch.convert_to_amp(
-      ...     net, torch.optim.SGD(net.parameters(), lr=0.1), mode="apex", opt_level="O1",
-      ...     verbosity=0)
-      >>> fn = mpfunc_torch.checkpoint_context_fn(model)
-      >>> with torch.autocast("cpu", dtype=torch.float16):
-      ...     y = checkpoint(net, torch.randn(2, 4), use_reentrant=False, context_fn=fn)
-      >>> # HuggingFace: model.activation_checkpointing_enable(activation_checkpointing_kwargs=
-      >>> #     {"use_reentrant": False, "context_fn": fn})
-    """
-    module = model.module if isinstance(model, AmpModel) else model
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"`model` must be a model from convert_to_amp, got "
-                        f"{type(model).__name__}.")
-    forward = vars(_uncompiled(module)).get("forward")
-    o1 = (isinstance(forward, _AmpForward) and forward.fp32_functions
-          and forward.autocast_dtype is not None)
-    return functools.partial(_checkpoint_contexts, forward.device_type if o1 else None)
-
-
-def _checkpoint_contexts(device_type: str | None) -> tuple[Any, Any]:
-    if torch.compiler.is_compiling():
-        # The compiled graph recomputes with the mode's casts already in it, and torch
-        # takes only its selective-checkpoint modes here: recompute everything.
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        return create_selective_checkpoint_contexts(_recompute_all)
-    recompute = Fp32Functions(device_type) if device_type else contextlib.nullcontext()
-    return contextlib.nullcontext(), recompute
-
-
-def _recompute_all(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class AmpCriterion(nn.Module):
