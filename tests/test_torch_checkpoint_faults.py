@@ -333,3 +333,23 @@ def test_a_parent_round_trips_and_checks_the_converted_part(mode, cfg):
     dst.load_state_dict(saved)
     assert all(torch.equal(a, b) for a, b in zip(src_net.state_dict().values(),
                                                  net.state_dict().values()))
+
+
+def test_numpy_and_tensor_hyperparameters_load_and_a_numpy_nan_is_refused():
+    # A schedule that writes np.float32 / tensor values into the groups: torch loads
+    # them and steps, so the check must take them as numbers and booleans.
+    np = pytest.importorskip("numpy")
+    net, src = _fresh(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    _train(net, src, 2)
+    ck = src.state_dict()
+    ck["optimizer"]["param_groups"][0].update(lr=np.float32(5e-3), amsgrad=np.bool_(False),
+                                              weight_decay=torch.tensor(0.01))
+    net2, opt = _fresh(lambda ps: torch.optim.AdamW(ps, lr=1e-2), seed=1)
+    opt.load_state_dict(copy.deepcopy(ck))
+    _train(net2, opt, 1)
+    assert opt.param_groups[0]["lr"] == np.float32(5e-3)
+    ck["optimizer"]["param_groups"][0]["lr"] = np.float32("nan")
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="\\['lr'\\]` is np.float32\\(nan\\)"):
+        opt.load_state_dict(ck)
+    assert _same(before, opt.state_dict())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import sys
 from collections import OrderedDict, defaultdict
 from typing import TYPE_CHECKING, Any
@@ -225,7 +226,7 @@ def _check_group(saved: dict[str, Any], live: dict[str, Any], defaults: dict[str
             raise ValueError(f"`{where}` has no {key!r} (a {cls} param group has); was it "
                              "saved from another optimizer?")
         got = saved[key]
-        if isinstance(want, bool) and not isinstance(got, bool):
+        if isinstance(want, bool) and not _is_bool(got):
             raise ValueError(f"`{where}[{key!r}]` must be True or False (this optimizer's is "
                              f"{want!r}), got {got!r}.")
         if _is_number(want) and not _is_number(got):
@@ -238,9 +239,17 @@ def _check_group(saved: dict[str, Any], live: dict[str, Any], defaults: dict[str
 
 
 def _is_number(value: Any) -> bool:
+    """A Python, NumPy or 0-dim tensor number, not a boolean."""
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and value.dtype != torch.bool
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_bool(value: Any) -> bool:
+    """A Python, NumPy or 0-dim tensor boolean."""
+    return isinstance(value, bool) or (getattr(value, "shape", None) in ((), torch.Size())
+                                       and str(getattr(value, "dtype", "")) in ("bool",
+                                                                               "torch.bool"))
 
 
 def _check_step(step: Any, where: str) -> None:
@@ -265,7 +274,7 @@ def _non_finite(value: Any) -> bool:
         return any(_non_finite(v) for v in value)
     if isinstance(value, torch.Tensor):
         return value.is_floating_point() and not bool(torch.isfinite(value).all())
-    return isinstance(value, float) and not math.isfinite(value)
+    return _is_number(value) and not math.isfinite(value)
 
 
 # -- the converted model's load_state_dict ------------------------------------------------
