@@ -353,3 +353,36 @@ def test_numpy_and_tensor_hyperparameters_load_and_a_numpy_nan_is_refused():
     with pytest.raises(ValueError, match="\\['lr'\\]` is np.float32\\(nan\\)"):
         opt.load_state_dict(ck)
     assert _same(before, opt.state_dict())
+
+
+@pytest.fixture
+def world():
+    import torch.distributed as dist
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if mine:
+        dist.destroy_process_group()
+
+
+def test_a_ddp_wrapped_model_round_trips_and_is_seen_through(world):
+    # The README's order: convert, then DistributedDataParallel(model) (1 gloo rank).
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model, opt, _ = mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                                mode="apex", opt_level="O1", verbosity=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    saved = copy.deepcopy(ddp.state_dict())
+    assert sorted(saved) == ["module.0.bias", "module.0.weight", "module.1.bias",
+                             "module.1.weight"]
+    with torch.no_grad():
+        net[0].weight.add_(1.0)
+    with pytest.raises(ValueError, match="nothing was loaded.*size mismatch for 1.weight"):
+        ddp.load_state_dict({**saved, "module.1.weight": saved["module.1.weight"][:1]})
+    assert not torch.equal(net[0].weight, saved["module.0.weight"])  # nothing copied
+    ddp.load_state_dict(saved)
+    assert torch.equal(net[0].weight, saved["module.0.weight"])
+    _, recompute = mpfunc_torch.checkpoint_context_fn(ddp)()
+    assert type(recompute).__name__ == "Fp32Functions"  # O1's list, through DDP

@@ -92,7 +92,8 @@ def checkpoint_context_fn(model: torch.nn.Module) -> Callable[[], tuple[Any, Any
     recomputes with the mode's casts in it).
 
     Args:
-      model: the model from `convert_to_amp`, or the module it converted.
+      model: the model from `convert_to_amp`, the module it converted, or either
+        wrapped in ``DistributedDataParallel``.
 
     Returns:
       A callable returning torch's ``(forward_context, recompute_context)`` pair.
@@ -112,7 +113,9 @@ def checkpoint_context_fn(model: torch.nn.Module) -> Callable[[], tuple[Any, Any
     """
     from mpfunc_torch._src.model import AmpModel, _AmpForward, _uncompiled
 
-    module = model.module if isinstance(model, AmpModel) else model
+    module = model
+    while isinstance(module, AmpModel | torch.nn.parallel.DistributedDataParallel):
+        module = module.module
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"`model` must be a model from convert_to_amp, got "
                         f"{type(model).__name__}.")
