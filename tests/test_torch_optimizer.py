@@ -546,3 +546,34 @@ def test_sparse_grads_with_per_loss_scales():
     torch.testing.assert_close(net.embed.weight.grad.to_dense(), dense.embed.weight.grad,
                                rtol=2e-2, atol=1e-5)
     assert bool(opt.step())
+
+
+@pytest.mark.parametrize("mode, cfg", [("naive", {"initial_scale": 2.0**8}),
+                                       ("naive", {"initial_scale": 2.0**8, "step_chunks": 2}),
+                                       ("apex", {"opt_level": "O2", "verbosity": 0})])
+def test_unfreezing_later_trains_with_masters_and_add_param_group_says_how(mode, cfg):
+    # Progressive unfreezing with master weights: the frozen head is in the optimizer
+    # from the start; add_param_group after conversion is refused, naming that way.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    net[1].requires_grad_(False)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.AdamW(net.parameters(), lr=1e-2), torch.nn.MSELoss(), mode=mode, **cfg)
+    g = torch.Generator().manual_seed(0)
+
+    def steps(n):
+        for _ in range(n):
+            opt.zero_grad()
+            opt.backward(crit(model(torch.randn(4, 4, generator=g)), torch.randn(4, 2, generator=g)))
+            assert bool(opt.step())
+
+    head = net[1].weight.detach().clone()
+    steps(2)
+    assert torch.equal(net[1].weight, head)
+    with pytest.raises(RuntimeError, match="every param before convert_to_amp.*unfrozen"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    net[1].requires_grad_(True)
+    steps(2)
+    assert not torch.equal(net[1].weight, head)
+    master = {id(p): m for p, m in opt._pairs}[id(net[1].weight)]
+    assert torch.equal(master.half(), net[1].weight)  # the master trained, the param follows

@@ -153,7 +153,8 @@ class AmpOptimizer(WrappedOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._pairs:
             raise RuntimeError("add_param_group is not supported with master weights; "
-                               "add the params before convert_to_amp.")
+                               "give the optimizer every param before convert_to_amp (a "
+                               "frozen one, requires_grad=False, trains once unfrozen).")
         self.optimizer.add_param_group(param_group)
         self._index_params()
 
