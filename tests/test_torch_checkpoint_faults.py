@@ -333,6 +333,8 @@ def test_a_parent_round_trips_and_checks_the_converted_part(mode, cfg):
     dst.load_state_dict(saved)
     assert all(torch.equal(a, b) for a, b in zip(src_net.state_dict().values(),
                                                  net.state_dict().values()))
+    compiled = torch.compile(dst.module, backend="eager")  # another parent: _orig_mod.*
+    assert compiled.load_state_dict(compiled.state_dict()).missing_keys == []
 
 
 def test_numpy_and_tensor_hyperparameters_load_and_a_numpy_nan_is_refused():
