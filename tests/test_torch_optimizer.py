@@ -193,6 +193,30 @@ class TestSeedPatterns:
         # interval 1: the shared scale grew once per iteration, not once per optimizer
         assert o1.loss_scale.item() == 2.0**10
 
+    def test_a_backward_after_a_sharing_optimizer_unscaled_is_refused(self):
+        # Found by a random call-sequence test: o2 unscaled (clip_grad_norm), then a
+        # backward through o1 added scaled gradients to o2's unscaled ones; o2's step
+        # trusted its earlier check and stepped an overflow (NaN momentum and params).
+        torch.manual_seed(0)
+        m1, m2 = make_model(1), make_model(2)
+        o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+        o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+        model, (o1, o2), crit = mpfunc_torch.convert_to_amp(
+            torch.nn.ModuleList([m1, m2]), [o1, o2], torch.nn.CrossEntropyLoss(),
+            mode="torch", init_scale=2.0**8)
+        x, y = batches(1)[0]
+        loss = lambda: crit(m1(x) + m2(x), y)  # noqa: E731
+        o1.backward(loss())
+        o2.clip_grad_norm(1.0)
+        grads = [p.grad.clone() for p in m1.parameters()] + [p.grad.clone()
+                                                             for p in m2.parameters()]
+        with pytest.raises(RuntimeError, match="number 1 in convert_to_amp's list"):
+            o1.backward(loss())
+        after = [p.grad for p in m1.parameters()] + [p.grad for p in m2.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(grads, after, strict=True))
+        assert bool(o1.step()) and bool(o2.step())
+        assert all(torch.isfinite(p).all() for p in m2.parameters())
+
     def test_num_losses_gives_each_loss_its_scale(self):
         net = make_model()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)

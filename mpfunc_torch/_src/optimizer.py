@@ -204,10 +204,16 @@ class AmpOptimizer(WrappedOptimizer):
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"`loss` must be a tensor, got {type(loss).__name__}.")
         scaler = self._scaler(loss_id)
-        if self._stage == _UNSCALED:
-            raise RuntimeError("backward()/scale_loss() after unscale_()/clip_grad_norm() "
-                               "and before step(): gradients of one step must share one "
-                               "scale.")
+        # Every optimizer sharing this scale gets this backward's gradients: one of them
+        # already unscaled would add scaled gradients to unscaled ones, unchecked.
+        unscaled = [i for i, m in enumerate(self._shared.members) if m._stage == _UNSCALED]
+        if unscaled:
+            who = ("" if unscaled == [self._shared.members.index(self)] else
+                   f" (of the optimizers sharing this loss scale, number {unscaled[0]} "
+                   "in convert_to_amp's list)")
+            raise RuntimeError("backward()/scale_loss() after unscale_()/clip_grad_norm()"
+                               f"{who} and before step(): gradients of one step must share "
+                               "one scale.")
         if len(self._scalers) > 1:
             self._finish_pending()
             self._pending = (loss_id, set_aside_(self._owned, self._sources))
