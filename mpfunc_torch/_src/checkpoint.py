@@ -171,6 +171,7 @@ def _check_inner_fits(inner: torch.optim.Optimizer, saved: dict[str, Any],
                      type(inner).__name__)
     pid_of = {id(q): k for k, q in zip(itertools.chain(*(g["params"] for g in groups)),
                                        itertools.chain(*(g["params"] for g in live)))}
+    steps: list = []
     for q, st in scratch.state.items():
         if not isinstance(q, torch.Tensor) or not isinstance(st, dict):
             continue
@@ -179,7 +180,7 @@ def _check_inner_fits(inner: torch.optim.Optimizer, saved: dict[str, Any],
             name = f"{where}['state'][{pid_of[id(q)]!r}][{key!r}]"
             if isinstance(inner, _TORCH_OPTIM):
                 if key == "step":
-                    _check_step(t, name)
+                    _check_step(t, name, steps)
                 elif not (t is None or isinstance(t, torch.Tensor) or _is_number(t)):
                     raise ValueError(f"`{name}` must be a tensor, got {type(t).__name__}.")
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
@@ -192,6 +193,7 @@ def _check_inner_fits(inner: torch.optim.Optimizer, saved: dict[str, Any],
             if shape is not None and t.shape != shape:
                 raise ValueError(f"`{name}` must have shape {tuple(shape)} ({whose}), got "
                                  f"{tuple(t.shape)}.")
+    _check_step_values(steps)
     return saved
 
 
@@ -252,20 +254,33 @@ def _is_bool(value: Any) -> bool:
                                                                                "torch.bool"))
 
 
-def _check_step(step: Any, where: str) -> None:
+_STEP = "a step count (a whole number >= 0, as a float32/float64 scalar tensor or a number)"
+
+
+def _check_step(step: Any, where: str, tensors: list) -> None:
     """torch.optim's step counts: a whole number >= 0, a float32/float64 scalar if a
     tensor (-1 makes Adam's bias correction divide by zero; an int or float16 tensor
-    fails foreach's grouping)."""
+    fails foreach's grouping). Tensor values go to ``tensors``, for `_check_step_values`
+    (one host read per device, not one per param: fused optimizers keep them on it)."""
     if isinstance(step, torch.Tensor):
-        ok = step.dim() == 0 and step.dtype in (torch.float32, torch.float64)
-        value = float(step) if ok else None
-    else:
-        ok, value = _is_number(step), step
-    if not ok or not (math.isfinite(value) and value >= 0 and value == int(value)):
-        found = (f"a {step.dtype} tensor of shape {tuple(step.shape)}"
-                 if isinstance(step, torch.Tensor) and not ok else repr(value if ok else step))
-        raise ValueError(f"`{where}` must be a step count (a whole number >= 0, as a "
-                         f"float32/float64 scalar tensor or a number), got {found}.")
+        if step.dim() != 0 or step.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"`{where}` must be {_STEP}, got a {step.dtype} tensor of shape "
+                             f"{tuple(step.shape)}.")
+        tensors.append((where, step))
+    elif not (_is_number(step) and math.isfinite(step) and step >= 0 and step == int(step)):
+        raise ValueError(f"`{where}` must be {_STEP}, got {step!r}.")
+
+
+def _check_step_values(tensors: list) -> None:
+    by_device: dict[Any, list] = {}
+    for where, t in tensors:
+        by_device.setdefault(t.device, []).append((where, t))
+    for found in by_device.values():
+        v = torch.stack([t.detach().double() for _, t in found])
+        bad = ~(torch.isfinite(v) & (v >= 0) & (v == v.floor()))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"`{found[i][0]}` must be {_STEP}, got {float(v[i])!r}.")
 
 
 def _non_finite(value: Any) -> bool:
