@@ -11,7 +11,6 @@ from torch import nn
 
 from _mpfunc_common.amp_config import resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
-from mpfunc_torch._src.checkpoint import guard_model_loads
 from mpfunc_torch._src.chunked_step import PER_PARAM_OPTIMIZERS
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.fp8_convert import convert_to_fp8
@@ -31,6 +30,7 @@ from mpfunc_torch._src.model import (
     refuse_converted_model,
     refuse_data_parallel_wrapper,
 )
+from mpfunc_torch._src.model_load import guard_model_loads
 from mpfunc_torch._src.optimizer import AmpOptimizer
 from mpfunc_torch._src.sharding import check_fsdp_units
 
