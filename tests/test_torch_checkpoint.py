@@ -394,3 +394,46 @@ def test_dcp_set_state_dict_refuses_a_bad_optimizer_part_changing_nothing():
         assert all(torch.equal(a, b) for a, b in zip(params, net2.parameters()))
     mpfunc_torch.set_state_dict(net2, opt2, model_state_dict=msd, optim_state_dict=osd)
     assert _same(opt.state_dict(), opt2.state_dict())
+
+
+@pytest.mark.parametrize("mode, cfg", [("torch", {}), ("naive", {"initial_scale": 2.0**8}),
+                                       ("apex", {"opt_level": "O2", "verbosity": 0})])
+def test_a_plain_torch_run_resumes_in_a_mode(mode, cfg):
+    # A float32 run with a plain AdamW moves to mpfunc_torch: the model's checkpoint
+    # sets the masters exactly, the optimizer's state_dict loads into the inner one.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.LayerNorm(6),
+                              torch.nn.Linear(6, 1))
+    plain = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for i in range(3):
+        x, y = tiny_batch(i)
+        plain.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        plain.step()
+    ck = copy.deepcopy({"model": net.state_dict(), "optimizer": plain.state_dict()})
+    net2 = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.LayerNorm(6),
+                               torch.nn.Linear(6, 1))
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net2, torch.optim.AdamW(net2.parameters(), lr=1e-2), torch.nn.MSELoss(), mode=mode,
+        **cfg)
+    bad = copy.deepcopy(ck["optimizer"])
+    bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"][:1]
+    with pytest.raises(ValueError, match="\\['state'\\]\\[0\\]\\['exp_avg'\\]` must have shape"):
+        opt.load_state_dict(bad)
+    assert not opt.optimizer.state
+    net2.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    inner = opt.optimizer.state_dict()["state"]
+    for pid, st in ck["optimizer"]["state"].items():
+        assert all(torch.equal(st[k], inner[pid][k]) for k in st)
+    name_of = {id(p): n for n, p in net2.named_parameters()}
+    for p, m in opt._pairs:  # the masters are the float32 weights exactly
+        assert torch.equal(m, ck["model"][name_of[id(p)]])
+    taken = 0
+    for i in range(20):  # until the fresh scale (2**16 for torch and O2) fits
+        x, y = tiny_batch(5 + i)
+        opt.zero_grad()
+        opt.backward(crit(model(x), y))
+        taken += bool(opt.step())
+    assert taken > 0 and int(opt.optimizer.state_dict()["state"][0]["step"]) == 3 + taken
+    assert all(torch.isfinite(p).all() for p in net2.parameters())

@@ -71,6 +71,14 @@ def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, di
 
 
 def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
+    if isinstance(state_dict, dict) and set(state_dict) == {"state", "param_groups"}:
+        # A plain torch run's optimizer.state_dict(), moving to mpfunc_torch: the inner
+        # optimizer's part only (its params are in the same order, masters in place of
+        # half params); the masters come from the model's float32 checkpoint.
+        _check_inner_state(state_dict, "state_dict")
+        opt.optimizer.load_state_dict(_check_inner_fits(opt.optimizer, state_dict,
+                                                        "state_dict"))
+        return
     values, masters, inner = check(opt, state_dict)
     # `check` ran torch's own load on a scratch copy, so this one does not fail.
     opt.optimizer.load_state_dict(inner)

@@ -438,7 +438,10 @@ class AmpOptimizer(WrappedOptimizer):
         optimizer's hyperparameters, whatever torch's own load refuses) raises
         ``ValueError`` naming the key and leaves this optimizer as it was. The
         loss-scale hyperparameters and the inner optimizer's ``foreach`` / ``fused`` /
-        ``capturable`` / ``differentiable`` flags stay this optimizer's own.
+        ``capturable`` / ``differentiable`` flags stay this optimizer's own. A plain torch
+        optimizer's ``state_dict()`` (a run moving to mpfunc_torch) loads into the inner
+        optimizer with the same checks; the loss scale and trackers stay as they are,
+        and the masters come from loading the model's float32 checkpoint.
         """
         def load(state_dict):
             checkpoint.load(self, state_dict)
