@@ -32,3 +32,17 @@ def _strict_promotion():
     # Re-assert per test: a test that flips it must not leak into the next one.
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     yield
+
+
+@pytest.fixture(scope="module")
+def gloo_world():
+    """A 1-rank gloo process group for torch.distributed in one process (DDP, FSDP2,
+    DTensor); a group that is already up is used and left up."""
+    import torch.distributed as dist
+
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if mine:
+        dist.destroy_process_group()

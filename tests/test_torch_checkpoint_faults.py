@@ -357,19 +357,7 @@ def test_numpy_and_tensor_hyperparameters_load_and_a_numpy_nan_is_refused():
     assert _same(before, opt.state_dict())
 
 
-@pytest.fixture
-def world():
-    import torch.distributed as dist
-
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
-
-
-def test_a_ddp_wrapped_model_round_trips_and_is_seen_through(world):
+def test_a_ddp_wrapped_model_round_trips_and_is_seen_through(gloo_world):
     # The README's order: convert, then DistributedDataParallel(model) (1 gloo rank).
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))

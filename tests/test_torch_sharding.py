@@ -11,16 +11,6 @@ import mpfunc_torch
 from mpfunc_torch._src.sharding import is_dtensor, local, local_bytes, mesh_groups
 
 
-@pytest.fixture(scope="module")
-def world():
-    mine = not dist.is_initialized()
-    if mine:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if mine:
-        dist.destroy_process_group()
-
-
 def mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
@@ -37,7 +27,7 @@ def step(model, opt, x=None):
 @pytest.mark.parametrize("mode, cfg", [("naive", {"initial_scale": 2.0**8}),
                                        ("apex", {"opt_level": "O3", "verbosity": 0}),
                                        ("torch", {})])
-def test_fully_shard_then_convert_casts_the_shards_and_keeps_dtensor_masters(world, mode, cfg):
+def test_fully_shard_then_convert_casts_the_shards_and_keeps_dtensor_masters(gloo_world, mode, cfg):
     net = mlp()
     for m in net:
         fully_shard(m)
@@ -59,7 +49,7 @@ def test_fully_shard_then_convert_casts_the_shards_and_keeps_dtensor_masters(wor
     assert any(not torch.equal(a, local(p)) for a, p in zip(before, net.parameters()))
 
 
-def test_convert_then_fully_shard_is_refused_at_the_first_forward(world):
+def test_convert_then_fully_shard_is_refused_at_the_first_forward(gloo_world):
     net = mlp()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     model, opt, _ = mpfunc_torch.convert_to_amp(net, opt, mode="naive")
@@ -68,7 +58,7 @@ def test_convert_then_fully_shard_is_refused_at_the_first_forward(world):
         model(torch.randn(2, 8))
 
 
-def test_fsdp_units_the_cast_would_break_are_refused(world):
+def test_fsdp_units_the_cast_would_break_are_refused(gloo_world):
     net = mlp()
     fully_shard(net)  # one unit holding the Linears and the LayerNorm
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -115,7 +105,7 @@ def test_clip_grad_norm_bad_max_norm():
         opt.clip_grad_norm(0.0)
 
 
-def test_fp8_amax_group_is_checked(world):
+def test_fp8_amax_group_is_checked(gloo_world):
     group = dist.group.WORLD
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
     with pytest.raises(TypeError, match="`fp8_amax_group` must be a torch.distributed"):
@@ -143,7 +133,7 @@ def test_fp8_amax_group_is_checked(world):
 
 @pytest.mark.parametrize("order", ["shard-then-convert", "fp8-then-shard"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
-def test_fp8_mode_under_fully_shard_trains_like_the_unsharded_model(world, recipe, order):
+def test_fp8_mode_under_fully_shard_trains_like_the_unsharded_model(gloo_world, recipe, order):
     # Before: convert_to_amp(mode="fp8") replaced FSDP2's FSDPLinear by a new module,
     # whose weight stayed the sharded DTensor (FSDP unshards into the old object): the
     # first forward failed ("got mixed torch.Tensor and DTensor").
@@ -173,7 +163,7 @@ def test_fp8_mode_under_fully_shard_trains_like_the_unsharded_model(world, recip
             assert torch.equal(a, b), k
 
 
-def test_fp8_mode_on_a_huggingface_llama_under_fully_shard(world):
+def test_fp8_mode_on_a_huggingface_llama_under_fully_shard(gloo_world):
     # A real model as users shard it: each decoder layer and the root are FSDP2 units
     # (the Linears inside stay plain nn.Linear and change class in place).
     transformers = pytest.importorskip("transformers")

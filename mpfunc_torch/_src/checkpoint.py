@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from _mpfunc_common.amp_config import AmpPlan
-from mpfunc_torch._src.master_weights import check_saved_masters, copy_masters_to_model_
+from mpfunc_torch._src.master_weights import (
+    check_saved_masters,
+    copy_masters_to_model_,
+    non_finite_names,
+)
 
 if TYPE_CHECKING:
     from mpfunc_torch._src.optimizer import AmpOptimizer
@@ -115,18 +119,12 @@ def _check_inner_state(inner: Any, where: str) -> None:
     if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
         raise ValueError(f"`{where}` must be a torch optimizer state_dict (keys 'state' and "
                          "'param_groups').")
-    found = []
-    for pid, st in inner["state"].items():
-        if not isinstance(st, dict):
-            continue
-        for key, t in st.items():
-            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
-                if t.is_sparse:  # e.g. SGD's momentum for nn.Embedding(sparse=True)
-                    t = t.coalesce().values()
-                found.append((f"{where}['state'][{pid!r}][{key!r}]", torch.isfinite(t).all()))
-    if found and not bool(torch.stack([f.cpu() for _, f in found]).all()):
-        name = next(n for n, f in found if not bool(f))
-        raise ValueError(f"`{name}` holds inf/NaN values; optimizer state must be finite.")
+    bad = non_finite_names([
+        (f"{where}['state'][{pid!r}][{key!r}]", t)
+        for pid, st in inner["state"].items() if isinstance(st, dict) for key, t in st.items()
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())])
+    if bad:
+        raise ValueError(f"`{bad[0]}` holds inf/NaN values; optimizer state must be finite.")
 
 
 def _check_inner_fits(inner: torch.optim.Optimizer, saved: dict[str, Any],

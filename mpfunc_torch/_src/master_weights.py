@@ -21,6 +21,7 @@ from torch import nn
 from mpfunc_torch._src.sharding import local
 
 __all__ = [
+    "non_finite_names",
     "make_masters",
     "keep_half_masters",
     "has_stepped",
@@ -287,9 +288,23 @@ def check_saved_masters(saved: Any, pairs: Pairs, where: str) -> list[torch.Tens
         if t.dtype != m.dtype or t.shape != m.shape:
             raise ValueError(f"`{name}` must be {m.dtype} with shape {tuple(m.shape)} (a "
                              f"master weight), got {t.dtype} with shape {tuple(t.shape)}.")
-    finite = [torch.isfinite(t).all() for t in saved]
-    if finite and not bool(torch.stack([f.cpu() for f in finite]).all()):
-        bad = next(i for i, f in enumerate(finite) if not bool(f))
-        raise ValueError(f"`{where}[{bad}]` holds inf/NaN values; a master weight must be "
-                         "finite.")
+    bad = non_finite_names([(f"{where}[{i}]", t) for i, t in enumerate(saved)])
+    if bad:
+        raise ValueError(f"`{bad[0]}` holds inf/NaN values; a master weight must be finite.")
     return saved
+
+
+def non_finite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the tensors in ``named`` holding an inf/NaN, for checkpoint checks:
+    one host read per device for all of them (sparse tensors through their values)."""
+    flags: dict[Any, list] = {}
+    for name, t in named:
+        if t.is_sparse:  # e.g. SGD's momentum for nn.Embedding(sparse=True)
+            t = t.coalesce().values()
+        flags.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
+    bad = []
+    for found in flags.values():
+        ok = torch.stack([f for _, f in found]).cpu()
+        if not bool(ok.all()):
+            bad += [n for (n, _), f in zip(found, ok.tolist()) if not f]
+    return bad

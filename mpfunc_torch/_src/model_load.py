@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpfunc_torch._src.master_weights import _LoadFollower
+from mpfunc_torch._src.master_weights import _LoadFollower, non_finite_names
 
 __all__ = ["CheckpointError", "guard_model_loads", "check_model_state"]
 
@@ -98,24 +98,25 @@ def check_model_state(root: nn.Module, state_dict: Any, strict: bool) -> None:
             elif (isinstance(t, nn.Parameter) and t.requires_grad
                   and type(value) in (torch.Tensor, nn.Parameter)
                   and value.is_floating_point()):
-                finite.append((key, torch.isfinite(value).all()))
+                finite.append((key, value))
         if strict:
             for key in state_dict:
                 rest = key[len(prefix):] if key.startswith(prefix) else None
                 if rest and rest != "_extra_state" and (
                         rest.split(".", 1)[0] not in m._modules | local):
                     unexpected.append(key)
-    if finite and not bool(torch.stack([f.cpu() for _, f in finite]).all()):
-        bad = [k for k, f in finite if not bool(f)]
+    bad = non_finite_names(finite)
+    if bad:
         errors.append(f"{bad[:5]} hold inf/NaN values; a trainable param must be finite")
     if missing:
         errors.append(f"missing keys {missing[:10]}")
     if unexpected:
         errors.append(f"unexpected keys {unexpected[:10]}")
     if errors:
-        raise CheckpointError(f"Error(s) in loading state_dict for {type(root).__name__}, nothing "
-                         "was loaded (a converted model checks the whole checkpoint first): "
-                         + "; ".join(errors) + ".")
+        raise CheckpointError(
+            f"Error(s) in loading state_dict for {type(root).__name__}, nothing was loaded "
+            "(a converted model checks the whole checkpoint first): " + "; ".join(errors)
+            + ".")
 
 
 def _loads_itself(m: nn.Module) -> bool:
