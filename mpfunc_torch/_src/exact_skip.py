@@ -12,6 +12,8 @@ iteration's optimizer step all the same (for LR schedulers). There are two ways 
   (unscaled before, for master weights, clipping or several losses) still decides in
   its kernel. Master weights are copied into the model only
   when the step was taken.
+
+`exact_step_` is `AmpOptimizer.step` after its checks: unscale, clip, then one of the two.
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ from collections.abc import Sequence
 import torch
 
 from mpfunc_torch._src import fused
-from mpfunc_torch._src.chunked_step import ChunkedStep, finish_chunked_step_
+from mpfunc_torch._src.chunked_step import (
+    ChunkedStep,
+    finish_chunked_step_,
+    prepare_chunked_step_,
+)
+from mpfunc_torch._src.clipping import global_zero_count
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.grads import check_, grads_of
 from mpfunc_torch._src.master_weights import copy_masters_to_model_
 from mpfunc_torch._src.wrapped_optimizer import mark_step_called
 
-__all__ = ["step_in_kernel_", "take_or_drop_"]
+__all__ = ["exact_step_", "step_in_kernel_", "take_or_drop_"]
 
 
 def step_in_kernel_(optimizer: torch.optim.Optimizer, owned: Sequence[torch.Tensor],
@@ -73,3 +80,48 @@ def take_or_drop_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
         copy_masters_to_model_(pairs)
     else:
         mark_step_called(optimizer)
+
+
+def exact_step_(opt, scaled: bool) -> torch.Tensor:
+    """The step of `AmpOptimizer` ``opt`` after its checks: unscale (if ``scaled``, the
+    gradients still hold the loss scale), clip and count as its plan says, then step or
+    skip. Returns ``found_inf``, the reduced flag (0 where the step was taken)."""
+    scaler = opt._scalers[0]
+    # torch's fused SGD bug (see fused.fused_sgd_first_step_pending): until the
+    # momentum buffers exist, skips are decided on the host.
+    host_skip = opt._sgd_first = (
+        opt._sgd_first and fused.fused_sgd_first_step_pending(opt.optimizer))
+    if opt._sgd_late:  # and its params that get their first grads late
+        opt._sgd_late = not fused.start_late_momentum_buffers_(opt.optimizer, {
+            id(q) for q, src in zip(opt._owned, opt._sources)
+            if q.grad is not None or src.grad is not None})
+    found = opt._found_inf
+    plan = opt.plan
+    if opt._kernel_unscales and scaled and not host_skip:
+        step_in_kernel_(opt.optimizer, opt._owned,
+                        scaler.scale if scaler.kind != "none" else None, found, opt._groups)
+        return found
+    chunked = None
+    if opt._step_chunks > 1 and scaled:
+        chunked = prepare_chunked_step_(
+            opt._copy_order, opt._owned, opt._sources, scaler, found, opt._groups,
+            opt._clip_groups, opt._step_chunks, plan.clip_grad,
+            count_zeros=bool(plan.log_num_zeros_in_grad))
+        opt._found_inf_per_loss[0].copy_(found)
+        if chunked.clip is not None:
+            opt.grad_norm = chunked.clip[1]
+    else:
+        if scaled:
+            opt.unscale_()
+        if plan.clip_grad:
+            opt.grad_norm = opt.clip_grad_norm(plan.clip_grad)
+        if plan.log_num_zeros_in_grad:
+            opt.num_zeros_in_grad = global_zero_count(
+                opt._owned, process_group=opt._clip_groups, mark_sources=opt._sources)
+    take_or_drop_(opt.optimizer, found, opt._pairs, in_kernel=opt._fused,
+                  host_skip=host_skip, chunked=chunked)
+    if chunked and chunked.zeros is not None:
+        opt.num_zeros_in_grad = global_zero_count(
+            opt._owned, process_group=opt._clip_groups, mark_sources=opt._sources,
+            counts=chunked.zeros)
+    return found

@@ -9,14 +9,12 @@ import torch
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import checkpoint, fused
-from mpfunc_torch._src.chunked_step import prepare_chunked_step_
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
     global_grad_norm,
-    global_zero_count,
 )
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
-from mpfunc_torch._src.exact_skip import step_in_kernel_, take_or_drop_
+from mpfunc_torch._src.exact_skip import exact_step_
 from mpfunc_torch._src.grads import (
     add_back_unscaled_,
     check_,
@@ -351,45 +349,7 @@ class AmpOptimizer(WrappedOptimizer):
             raise self._not_after_backward("step()")
         self._finish_pending()
         follow_model_writes_(self._pairs, self._versions)
-        scaler = self._scalers[0]
-        # torch's fused SGD bug (see fused.fused_sgd_first_step_pending): until the
-        # momentum buffers exist, skips are decided on the host.
-        host_skip = self._sgd_first = (
-            self._sgd_first and fused.fused_sgd_first_step_pending(self.optimizer))
-        if self._sgd_late:  # and its params that get their first grads late
-            self._sgd_late = not fused.start_late_momentum_buffers_(self.optimizer, {
-                id(q) for q, src in zip(self._owned, self._sources)
-                if q.grad is not None or src.grad is not None})
-        found = self._found_inf
-        if self._kernel_unscales and self._stage == _BACKWARD and not host_skip:
-            step_in_kernel_(self.optimizer, self._owned,
-                            scaler.scale if scaler.kind != "none" else None, found,
-                            self._groups)
-        else:
-            chunked = None
-            if self._step_chunks > 1 and self._stage == _BACKWARD:
-                chunked = prepare_chunked_step_(
-                    self._copy_order, self._owned, self._sources, scaler, found,
-                    self._groups, self._clip_groups, self._step_chunks, self.plan.clip_grad,
-                    count_zeros=bool(self.plan.log_num_zeros_in_grad))
-                self._found_inf_per_loss[0].copy_(found)
-                if chunked.clip is not None:
-                    self.grad_norm = chunked.clip[1]
-            else:
-                if self._stage != _UNSCALED:
-                    self.unscale_()
-                if self.plan.clip_grad:
-                    self.grad_norm = self.clip_grad_norm(self.plan.clip_grad)
-                if self.plan.log_num_zeros_in_grad:
-                    self.num_zeros_in_grad = global_zero_count(
-                        self._owned, process_group=self._clip_groups,
-                        mark_sources=self._sources)
-            take_or_drop_(self.optimizer, found, self._pairs, in_kernel=self._fused,
-                          host_skip=host_skip, chunked=chunked)
-            if chunked and chunked.zeros is not None:
-                self.num_zeros_in_grad = global_zero_count(
-                    self._owned, process_group=self._clip_groups,
-                    mark_sources=self._sources, counts=chunked.zeros)
+        found = exact_step_(self, self._stage == _BACKWARD)
         stepped = found == 0
         self._shared.update_after_step(found, self._found_inf_per_loss)
         for f in self._found_inf_per_loss:
