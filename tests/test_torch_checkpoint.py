@@ -3,6 +3,7 @@ all-or-nothing load that rejects corrupt values."""
 
 
 import copy
+import math
 
 import pytest
 import torch
@@ -437,3 +438,91 @@ def test_a_plain_torch_run_resumes_in_a_mode(mode, cfg):
         taken += bool(opt.step())
     assert taken > 0 and int(opt.optimizer.state_dict()["state"][0]["step"]) == 3 + taken
     assert all(torch.isfinite(p).all() for p in net2.parameters())
+
+
+def _gradscaler_steps(net, opt, scaler, steps, bad):
+    scales = []
+    for i in steps:
+        x, y = tiny_batch(i)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = net(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y) * (math.inf if i in bad else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_a_gradscaler_run_resumes_in_torch_mode_bit_for_bit():
+    # A torch.amp run (autocast + GradScaler) moves to torch mode mid-run: the model,
+    # the optimizer and the GradScaler state_dicts load, and the run continues as the
+    # GradScaler run does, loss scale, growth tracker and skips included.
+    bad = {1, 2, 9}
+    net = tiny_model(0)
+    plain = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+    _gradscaler_steps(net, plain, scaler, range(5), bad)
+    assert scaler.state_dict()["_growth_tracker"] == 2 and scaler.get_scale() == 2.0**14
+    ck = copy.deepcopy({"model": net.state_dict(), "optimizer": plain.state_dict(),
+                        "scaler": scaler.state_dict()})
+    ref_scales = _gradscaler_steps(net, plain, scaler, range(5, 13), bad)
+
+    net2 = tiny_model(1)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net2, torch.optim.AdamW(net2.parameters(), lr=1e-2), torch.nn.MSELoss(), mode="torch",
+        growth_interval=3)
+    net2.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    opt.load_state_dict(ck["scaler"])
+    assert opt.scale_metrics(as_python=True)["loss_scale"] == 2.0**14
+    scales = []
+    for i in range(5, 13):
+        x, y = tiny_batch(i)
+        opt.zero_grad()
+        opt.backward(crit(model(x), y) * (math.inf if i in bad else 1.0))
+        opt.step()
+        scales.append(opt.scale_metrics(as_python=True)["loss_scale"])
+    assert scales == ref_scales and 2.0**15 in scales  # it grew on schedule, and backed off
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters()))
+    assert _same(plain.state_dict()["state"], opt.optimizer.state_dict()["state"])
+    assert opt.scale_metrics(as_python=True)["skipped_steps"] == 1  # the one after the move
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda s: s.update(scale=float("nan")), "\\['scale'\\]` must be a finite scale"),
+    (lambda s: s.update(scale=0.0), "\\['scale'\\]` must be a finite scale"),
+    (lambda s: s.update(_growth_tracker=7), "\\['_growth_tracker'\\]` must be an int in \\[0, 2\\]"),
+    (lambda s: s.update(_growth_tracker=-1), "\\['_growth_tracker'\\]` must be an int"),
+    (lambda s: s.update(growth_interval=0), "\\['growth_interval'\\]` must be an int >= 1"),
+    (lambda s: s.update(backoff_factor="half"), "\\['backoff_factor'\\]` must be a real number"),
+    (lambda s: s.pop("growth_factor"), "missing keys \\['growth_factor'\\]"),
+])
+def test_a_corrupt_gradscaler_state_changes_nothing(corrupt, match):
+    net, opt = _fresh(lambda ps: torch.optim.SGD(ps, lr=0.1), mode="naive")
+    _train(net, opt, 3)
+    before = copy.deepcopy(opt.state_dict())
+    sd = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3).state_dict()
+    corrupt(sd)
+    with pytest.raises(ValueError, match="`state_dict.*" + match):
+        opt.load_state_dict(sd)
+    assert _same(before, opt.state_dict())
+
+
+def test_gradscaler_state_is_brought_into_this_config():
+    # naive mode: floor 1, hysteresis 2, growth_interval 1000. GradScaler has no floor
+    # and no hysteresis: its scale is clamped up to the floor, the hysteresis is full.
+    net, opt = _fresh(lambda ps: torch.optim.SGD(ps, lr=0.1), mode="naive")
+    sd = {"scale": 0.25, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5000,
+          "_growth_tracker": 4321}
+    opt.load_state_dict(sd)
+    state = opt.state_dict()["scalers"][0]
+    assert (state["loss_scale"].item(), state["growth_tracker"].item(),
+            state["hysteresis_left"].item()) == (1.0, 999, 2)
+    # A static scale has no GradScaler state to take.
+    net, opt = _fresh(lambda ps: torch.optim.SGD(ps, lr=0.1), mode="apex", opt_level="O2",
+                      loss_scale=128.0, verbosity=0)
+    with pytest.raises(ValueError, match="loads into a dynamic loss scale.*static"):
+        opt.load_state_dict(sd)
+    assert opt.scale_metrics(as_python=True)["loss_scale"] == 128.0

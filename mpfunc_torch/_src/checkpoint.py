@@ -16,6 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from _mpfunc_common.amp_config import AmpPlan
+from _mpfunc_common.scale_config import (
+    FLOAT32_MAX,
+    FLOAT32_MIN_NORMAL,
+    as_python_number,
+    to_float32,
+)
 from mpfunc_torch._src.master_weights import (
     check_saved_masters,
     copy_masters_to_model_,
@@ -23,12 +29,16 @@ from mpfunc_torch._src.master_weights import (
 )
 
 if TYPE_CHECKING:
+    from mpfunc_torch._src.loss_scale import LossScaler
     from mpfunc_torch._src.optimizer import AmpOptimizer
 
 __all__ = ["save", "check", "load"]
 
 FORMAT = 1
 _KEYS = ("format", "mode", "opt_level", "optimizer", "scalers", "master_weights")
+# torch.amp.GradScaler.state_dict() (ShardedGradScaler's too), of a run moving from it.
+_GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                     "_growth_tracker")
 # torch.optim's optimizers whose per-param state tensors are scalars or of the param's
 # shape (not Adafactor's factored rows and columns). A state of another shape loads
 # into torch without complaint and then fails in the step, or, in a fused CPU kernel,
@@ -83,6 +93,12 @@ def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
         opt.optimizer.load_state_dict(_check_inner_fits(opt.optimizer, state_dict,
                                                         "state_dict"))
         return
+    if isinstance(state_dict, dict) and "_growth_tracker" in state_dict:
+        # ... and its GradScaler's state_dict(): the scale and growth tracker continue.
+        values = [grad_scaler_values(s, state_dict, "state_dict") for s in opt._scalers]
+        for s, v in zip(opt._scalers, values):
+            s._apply(v)
+        return
     values, masters, inner = check(opt, state_dict)
     # `check` ran torch's own load on a scratch copy, so this one does not fail.
     opt.optimizer.load_state_dict(inner)
@@ -92,6 +108,45 @@ def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
         for (_, m), saved in zip(opt._pairs, masters):
             m.copy_(saved)
     copy_masters_to_model_(opt._pairs)
+
+
+def grad_scaler_values(scaler: LossScaler, state: dict[str, Any], where: str) -> dict:
+    """The values a `torch.amp.GradScaler` ``state`` sets in ``scaler``, changing nothing:
+    its scale (brought into this config's [min_scale, max_scale]) and growth tracker
+    (below this ``growth_interval``), a full hysteresis; skip counters stay as they are.
+    GradScaler's hyperparameters are checked but not taken, as in its own load."""
+    if scaler.kind != "dynamic":
+        raise ValueError(f"`{where}` is a torch.amp.GradScaler state; it loads into a dynamic "
+                         f"loss scale, and this optimizer's scale is {scaler.kind}.")
+    missing = [k for k in _GRAD_SCALER_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"`{where}` (a torch.amp.GradScaler state) is missing keys {missing}.")
+    got = {}
+    for key in _GRAD_SCALER_KEYS:
+        integer = key in ("growth_interval", "_growth_tracker")
+        try:
+            got[key] = as_python_number(f"{where}[{key!r}]", state[key], integer=integer)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+    scale = to_float32(got["scale"])  # GradScaler keeps it as a float32 tensor
+    if not FLOAT32_MIN_NORMAL <= scale <= FLOAT32_MAX:
+        raise ValueError(f"`{where}['scale']` must be a finite scale > 0, got {state['scale']!r}.")
+    for key in ("growth_factor", "backoff_factor"):
+        if not 0 < got[key] < math.inf:
+            raise ValueError(f"`{where}[{key!r}]` must be a finite number > 0, got "
+                             f"{state[key]!r}.")
+    interval = got["growth_interval"]
+    if interval < 1:
+        raise ValueError(f"`{where}['growth_interval']` must be an int >= 1, got {interval!r}.")
+    if not 0 <= got["_growth_tracker"] < interval:
+        raise ValueError(f"`{where}['_growth_tracker']` must be an int in [0, {interval - 1}], "
+                         f"got {got['_growth_tracker']!r}.")
+    c = scaler.config
+    values = scaler.check_state(scaler.state_dict())
+    values.update(loss_scale=min(max(scale, c.min_scale), c.max_scale),
+                  growth_tracker=min(got["_growth_tracker"], c.growth_interval - 1),
+                  hysteresis_left=c.hysteresis)
+    return values
 
 
 def _check_header(state_dict: Any, plan: AmpPlan) -> None:

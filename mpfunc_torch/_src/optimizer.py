@@ -400,8 +400,9 @@ class AmpOptimizer(WrappedOptimizer):
         loss-scale hyperparameters and the inner optimizer's ``foreach`` / ``fused`` /
         ``capturable`` / ``differentiable`` flags stay this optimizer's own. A plain torch
         optimizer's ``state_dict()`` (a run moving to mpfunc_torch) loads into the inner
-        optimizer with the same checks; the loss scale and trackers stay as they are,
-        and the masters come from loading the model's float32 checkpoint.
+        optimizer with the same checks; the masters come from loading the model's
+        float32 checkpoint. Its ``torch.amp.GradScaler.state_dict()``, loaded the same
+        way, sets the loss scale and growth tracker (brought into this config's range).
         """
         def load(state_dict):
             checkpoint.load(self, state_dict)
