@@ -162,6 +162,77 @@ def test_flax_growth_interval_k_is_ours_k_plus_1(seq, k):
                                   np.asarray(theirs, np.float32)[:n].view(np.uint32))
 
 
+@functools.cache
+def _flax_run_and_migrated(k):
+    """flax's DynamicScale deciding the skips of a plain optax step, and the same run
+    moved to mpfunc mid-way (its state carried over, README)."""
+    from flax.training.dynamic_scale import DynamicScale
+
+    tx = adam(0.1)
+    opt = mpfunc.dynamic_scale(tx, growth_interval=k + 1, min_scale=2.0**-126)
+    loss = lambda p, bad: jnp.sum((p["w"] * 3.0 - 1.0) ** 2) * bad  # noqa: E731
+
+    # Gradients and updates are compiled apart on both sides, so that XLA fuses the two
+    # updates alike. flax's own `where(fin, new, old)` over params and state moves the
+    # update off the bare optimizer's by an ulp on CPU, so the reference takes or drops
+    # the bare update on flax's decision instead.
+    @jax.jit
+    def flax_grads(p, ds, bad):
+        with jax.numpy_dtype_promotion("standard"):  # flax mixes Python floats and int32
+            ds, fin, _, g = ds.value_and_grad(loss)(p, bad)
+        return g, ds, fin
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def apply(tx, g, state, p):
+        updates, state = tx.update(g, state, p)
+        return optax.apply_updates(p, updates), state
+
+    def flax_step(p, opt_state, ds, bad):
+        g, ds, fin = flax_grads(p, ds, bad)
+        return *apply(tx, g, opt_state, p), ds, fin
+
+    def our_step(p, state, bad):
+        return apply(opt, our_grads(state, p, bad), state, p)
+
+    our_grads = jax.jit(mpfunc.value_and_grad(loss))
+
+    def start(p):
+        return tx.init(p), DynamicScale(growth_interval=k, scale=jnp.float32(2.0**15),
+                                        fin_steps=jnp.int32(0))
+
+    return start, flax_step, our_step, opt
+
+
+@given(st.lists(st.booleans(), max_size=12), st.lists(st.booleans(), min_size=1, max_size=12),
+       st.integers(1, 3))
+def test_a_flax_dynamic_scale_run_moves_over_bit_for_bit(before, after, k):
+    start, flax_step, our_step, opt = _flax_run_and_migrated(k)
+    bad = lambda ok: jnp.float32(1.0 if ok else jnp.inf)  # noqa: E731
+
+    def flax_run(p, opt_state, ds, ok):
+        new_p, new_opt, ds, fin = flax_step(p, opt_state, ds, bad(ok))
+        assert bool(fin) == ok
+        return (new_p, new_opt, ds) if ok else (p, opt_state, ds)
+
+    p = {"w": jnp.linspace(-1.0, 1.0, 5)}
+    opt_state, ds = start(p)
+    for ok in before:
+        p, opt_state, ds = flax_run(p, opt_state, ds, ok)
+    # The move: the optax state becomes the inner state, the scale and flax's fin_steps
+    # the loss scale and growth tracker (with growth_interval=k + 1, see above).
+    state = opt.init(p)._replace(loss_scale=ds.scale, growth_tracker=ds.fin_steps,
+                                 inner_state=opt_state)
+    q = p
+    for ok in after:
+        p, opt_state, ds = flax_run(p, opt_state, ds, ok)
+        q, state = our_step(q, state, bad(ok))
+        assert np.asarray(state.loss_scale).view(np.uint32) == np.asarray(ds.scale).view(
+            np.uint32)
+        np.testing.assert_array_equal(np.asarray(q["w"]).view(np.uint32),
+                                      np.asarray(p["w"]).view(np.uint32))
+    chex.assert_trees_all_equal(state.inner_state, opt_state)
+
+
 class TestValueAndGrad:
     def test_argnums_and_has_aux(self):
         state = mpfunc.static_scale(2.0**10).init({})
