@@ -220,10 +220,11 @@ def fsdp_orders():
 DCP_MODES = ("naive", "torch", "O2", "bf16")  # masters or not, scaled or not
 
 
-def dcp_run(ckpt, label="naive"):
+def dcp_run(ckpt, label="naive", fused=False):
     """``label`` under FSDP2: train, save with DCP, train on; then fresh objects load the
     checkpoint and must train on identically. naive's result is also the checkpoint the
-    4-rank run reshards."""
+    4-rank run reshards. ``fused``: fused AdamW, whose state mixes DTensors (moments)
+    and plain tensors (the step count)."""
     import torch.distributed.checkpoint as dcp
 
     mesh = mesh_1d()
@@ -232,7 +233,7 @@ def dcp_run(ckpt, label="naive"):
 
     def build():
         net = shard(tm.make_model(), mesh, label)
-        model, opt, crit = convert(net, label, **kw)
+        model, opt, crit = convert(net, label, fused=fused, **kw)
         return net, model, opt, crit
 
     net, model, opt, crit = build()
@@ -258,7 +259,8 @@ def dcp_run(ckpt, label="naive"):
     loaded = full_state(net2, opt2)
     loaded_scale = opt2.scale_metrics(as_python=True)
     again = train(model2, opt2, crit2, rows, steps=range(STEPS, STEPS + 2))
-    results["dcp" if label == "naive" else f"dcp-{label}"] = {
+    key = f"dcp-{label}-adamw" if fused else "dcp" if label == "naive" else f"dcp-{label}"
+    results[key] = {
         "saved": saved, "saved_scale": saved_scale, "after": after, "after_params": after_params,
         "loaded": loaded, "loaded_scale": loaded_scale, "again": again,
         "again_params": full_state(net2, opt2),
@@ -488,7 +490,9 @@ SECTIONS = {
     # the Megatron split; 2 pipeline stages.
     "two": [("fsdp", lambda: (fsdp_runs(ALL), o2_unit_error(), fsdp_orders(),
                               [dcp_run(outdir / ("ckpt" if m == "naive" else f"ckpt-{m}"), m)
-                               for m in DCP_MODES], single_rank_bytes(), zeros_run(),
+                               for m in DCP_MODES],
+                              [dcp_run(outdir / f"ckpt-{m}-adamw", m, fused=True)
+                               for m in ("naive", "torch")], single_rank_bytes(), zeros_run(),
                               chunk_runs())),
             ("tp", lambda: tp_runs(two_d=False)),
             ("megatron", lambda: megatron_runs(

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpfunc_torch._src.sharding import local
+from mpfunc_torch._src.distributed import all_reduce_found_inf_
+from mpfunc_torch._src.sharding import is_dtensor, local, mesh_groups
 
 __all__ = [
     "non_finite_names",
@@ -296,15 +297,22 @@ def check_saved_masters(saved: Any, pairs: Pairs, where: str) -> list[torch.Tens
 
 def non_finite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the tensors in ``named`` holding an inf/NaN, for checkpoint checks:
-    one host read per device for all of them (sparse tensors through their values)."""
+    one host read per device for all of them (sparse tensors through their values).
+
+    A DTensor (FSDP2, tensor parallelism) is checked on this rank's shard and its flag
+    MAX-reduced over its mesh, so every rank finds the same names (call it on every
+    rank, with the same names in the same order)."""
     flags: dict[Any, list] = {}
     for name, t in named:
-        if t.is_sparse:  # e.g. SGD's momentum for nn.Embedding(sparse=True)
-            t = t.coalesce().values()
-        flags.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
+        mesh = t.device_mesh if is_dtensor(t) else None
+        shard = local(t)
+        if shard.is_sparse:  # e.g. SGD's momentum for nn.Embedding(sparse=True)
+            shard = shard.coalesce().values()
+        flags.setdefault((shard.device, mesh), []).append((name, t, torch.isfinite(shard).all()))
     bad = []
-    for found in flags.values():
-        ok = torch.stack([f for _, f in found]).cpu()
-        if not bool(ok.all()):
-            bad += [n for (n, _), f in zip(found, ok.tolist()) if not f]
+    for (_, mesh), found in flags.items():
+        non_finite = (~torch.stack([f for _, _, f in found])).float()
+        if mesh is not None:
+            all_reduce_found_inf_(non_finite, mesh_groups([found[0][1]]))
+        bad += [n for (n, _, _), f in zip(found, non_finite.cpu().tolist()) if f]
     return bad
