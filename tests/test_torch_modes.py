@@ -166,6 +166,12 @@ class TestErrors:
         with pytest.raises(ValueError, match="`closure` is not supported"):
             opt.step(lambda: 0.0)
 
+    @pytest.mark.parametrize("mode", ["torch", "bf16"])
+    def test_an_optimizer_that_needs_a_closure_is_refused(self, mode):
+        net = make_model()
+        with pytest.raises(ValueError, match="`optimizer` LBFGS needs a closure on every"):
+            mpfunc_torch.convert_to_amp(net, torch.optim.LBFGS(net.parameters()), mode=mode)
+
     def test_optimizer_with_state_in_master_mode(self):
         net = make_model()
         sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

@@ -304,6 +304,39 @@ def test_step_twice_says_what_happened():
         opt.step()
 
 
+def test_a_failed_backward_leaves_no_step_behind_it():
+    # Before: the stage moved at scale_loss, so a backward that raised left step() free
+    # to "take" a step with no gradients (it returned True).
+    net = tiny_model()
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.MSELoss(), mode="torch")
+    x, y = tiny_batch()
+    with pytest.raises(ValueError, match="`loss` must be a scalar .* got shape \\(16, 1\\)"):
+        opt.backward(model(x))  # the criterion forgotten
+    with pytest.raises(RuntimeError, match="step\\(\\) called before backward\\(\\)"):
+        opt.step()
+    out = model(x).sum()
+    out.backward(retain_graph=False)  # the graph is freed: the next backward through it fails
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        opt.backward(out)
+    with pytest.raises(RuntimeError, match="step\\(\\) called before backward\\(\\)"):
+        opt.step()
+    # In an accumulation, the earlier backward stands: step() takes its gradients.
+    opt.backward(crit(model(x), y))
+    out = model(x).sum()
+    out.backward()
+    with pytest.raises(RuntimeError, match="a second time"):
+        opt.backward(out)
+    before = [p.detach().clone() for p in net.parameters()]
+    assert bool(opt.step())
+    assert not all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    # A non-scalar loss with its `gradient` is torch's, and fine.
+    opt.zero_grad()
+    opt.backward(crit(model(x), y).reshape(1, 1).expand(2, 1), gradient=torch.ones(2, 1))
+    assert bool(opt.step())
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_step_hooks_fire_around_every_step_taken_or_skipped(fused):
     net = tiny_model()

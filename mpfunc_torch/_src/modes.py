@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -263,6 +264,14 @@ def convert_to_amp(
                             f"converted) or a list of them, got {type(opt).__name__}.")
     if not optimizers:
         raise ValueError("`optimizer` is an empty list.")
+    for opt in optimizers:
+        closure = inspect.signature(type(opt).step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"`optimizer` {type(opt).__name__} needs a closure on every step() (it "
+                "re-evaluates the loss inside the step, as LBFGS does); the converted "
+                "optimizer's step() takes none: it checks the gradients of the backward "
+                "before it. Use an optimizer whose closure is optional.")
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
     refuse_converted_model(model)
     if is_norm is not None:

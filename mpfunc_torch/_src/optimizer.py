@@ -229,7 +229,19 @@ class AmpOptimizer(WrappedOptimizer):
         losses). With ``num_losses > 1`` each loss has its own scale: its gradients are
         unscaled right after its backward and accumulated (in float32 for master weights).
         """
-        self.scale_loss(loss, loss_id).backward(**kwargs)
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1 and "gradient" not in kwargs:
+            raise ValueError(f"`loss` must be a scalar (one element), got shape "
+                             f"{tuple(loss.shape)}; reduce it (e.g. .mean()) or pass "
+                             "`gradient=`.")
+        stages = [m._stage for m in self._shared.members]
+        scaled = self.scale_loss(loss, loss_id)
+        try:
+            scaled.backward(**kwargs)
+        except BaseException:
+            # A failed backward leaves no step behind it: step() then says so.
+            for m, stage in zip(self._shared.members, stages):
+                m._stage = stage
+            raise
         self._finish_pending()
 
     def _finish_pending(self) -> None:
