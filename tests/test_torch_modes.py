@@ -60,9 +60,45 @@ def test_torch_cpu_fused_sgd_half_bug_is_why_o3_refuses_it():
     with pytest.raises(ValueError, match="SGD\\(fused=True\\) stepping half-precision"):
         mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1, fused=True),
                                     mode="apex", opt_level="O3", verbosity=0)
+    assert all(p.dtype == torch.float32 for p in net.parameters())  # refused before the cast
     net = make_model()  # with master weights the fused SGD steps float32 masters: fine
     mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1, fused=True),
                                 mode="naive")
+
+def _bag():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(),
+                               torch.nn.Linear(8, 2))
+
+
+def test_o3_refuses_an_eps_that_is_zero_in_float16():
+    # O3 steps float16 params in float16: AdamW's eps=1e-8 is 0 there, and an embedding
+    # row not in the batch became 0/0 = NaN in the first step, reported as taken.
+    ids, y = torch.tensor([[1, 2], [3, 1]]), torch.tensor([0, 1])
+    for opt_cls, kw in ((torch.optim.AdamW, {}), (torch.optim.Adagrad, {}),
+                        (torch.optim.RMSprop, {"eps": 1e-9})):
+        net = _bag()
+        with pytest.raises(ValueError, match=f"`optimizer` {opt_cls.__name__} \\(param group 0\\) "
+                                             "has eps=.*which is 0 in float16"):
+            mpfunc_torch.convert_to_amp(net, opt_cls(net.parameters(), lr=1e-3, **kw),
+                                        torch.nn.CrossEntropyLoss(), mode="apex",
+                                        opt_level="O3", verbosity=0)
+        assert all(p.dtype == torch.float32 for p in net.parameters())  # nothing cast
+    net = _bag()  # float16's usual eps: the rows not in the batch stay as they were
+    rows = net[0].weight.detach().half().clone()
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.AdamW(net.parameters(), lr=1e-3, eps=1e-4),
+        torch.nn.CrossEntropyLoss(), mode="apex", opt_level="O3", verbosity=0)
+    opt.backward(crit(model(ids), y))
+    assert bool(opt.step())
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    untouched = [0, 4, 5, 6, 7, 8, 9]
+    assert torch.equal(net[0].weight[untouched], rows[untouched] * (1 - 1e-3 * 0.01))  # decay only
+    for mode, cfg in (("naive", {}), ("apex", {"opt_level": "O2", "verbosity": 0})):
+        net = _bag()  # float32 masters: AdamW's own eps is fine
+        mpfunc_torch.convert_to_amp(net, torch.optim.AdamW(net.parameters(), lr=1e-3),
+                                    mode=mode, **cfg)
+
 
 def test_enabled_false_is_plain_training():
     data = batches(3)

@@ -263,6 +263,21 @@ def is_norm_module(name: str, module: nn.Module) -> bool:
     return any(_NORM_NAME.search(c.__name__) for c in type(module).__mro__)
 
 
+def params_cast(model: nn.Module, keep_norm_fp32: bool,
+                is_norm: Callable[[str, nn.Module], bool] = is_norm_module) -> set[int]:
+    """The ids of the params `cast_model` would cast (changing nothing)."""
+    out: set[int] = set()
+    inside_norm: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside_norm:
+            continue
+        if keep_norm_fp32 and is_norm(name, module):
+            inside_norm.update(id(m) for m in module.modules())
+            continue
+        out.update(id(p) for p in module.parameters(recurse=False) if p.is_floating_point())
+    return out
+
+
 def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool,
                is_norm: Callable[[str, nn.Module], bool] = is_norm_module) -> None:
     """Casts ``model``'s floating params and buffers to ``dtype`` in place. With

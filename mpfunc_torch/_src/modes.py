@@ -28,6 +28,7 @@ from mpfunc_torch._src.model import (
     AmpModel,
     cast_model,
     is_norm_module,
+    params_cast,
     refuse_converted_model,
     refuse_data_parallel_wrapper,
 )
@@ -81,23 +82,44 @@ def _check_optimizer_params(model: nn.Module, optimizers) -> None:
             "(torch.optim.X(model.parameters(), ...)), or convert the model it belongs to.")
 
 
-def _refuse_broken_fused_sgd(optimizers, masters) -> None:
+def _refuse_broken_fused_sgd(optimizers, stepped) -> None:
     """torch's fused SGD on CPU leaves float16/bfloat16 params unchanged (seen in torch
     2.13: a 1000-element float16 param moved only in its last elements). A half-precision
-    mode would then train nothing, silently, so that combination is refused."""
-    masters = masters or {}
+    mode would then train nothing, silently, so that combination is refused.
+    ``stepped``: id(param) -> the dtype the optimizer steps it in."""
     for opt in optimizers:
         if not (isinstance(opt, torch.optim.SGD) and opt.defaults.get("fused")):
             continue
         for g in opt.param_groups:
             for p in g["params"]:
-                if id(p) not in masters and p.dtype in HALF and p.device.type == "cpu":
+                if stepped[id(p)] in HALF and p.device.type == "cpu":
                     raise ValueError(
                         "`optimizer` is SGD(fused=True) stepping half-precision params on "
                         "CPU, which torch's fused CPU SGD kernel does not update correctly. "
                         "Use fused=False, or a mode with float32 master weights (naive, "
                         "apex O2)."
                     )
+
+
+def _refuse_vanishing_eps(optimizers, stepped) -> None:
+    """An optimizer stepping float16 params itself (apex O3: no master weights) computes
+    in float16, where an ``eps`` below 2**-25 is 0: every element whose gradient and
+    moments are 0 (an embedding row not in the batch) then becomes 0/0 = NaN in the
+    first step, a step whose gradients were finite. Refused, naming the value."""
+    for opt in optimizers:
+        for i, g in enumerate(opt.param_groups):
+            eps = g.get("eps")
+            if not isinstance(eps, float | int) or isinstance(eps, bool) or eps <= 0:
+                continue
+            if torch.tensor(float(eps), dtype=torch.float16).item() != 0:
+                continue
+            if any(stepped[id(p)] == torch.float16 for p in g["params"]):
+                raise ValueError(
+                    f"`optimizer` {type(opt).__name__} (param group {i}) has eps={eps!r}, "
+                    "which is 0 in float16, and steps float16 params itself (no master "
+                    "weights): an element with a zero gradient would become 0/0 = NaN in "
+                    "the first step. Pass eps >= 1e-4 (float16 training's usual value), or "
+                    "use a mode with float32 master weights (naive, apex O2).")
 
 
 def _check_fsdp_units(model: nn.Module, target: torch.dtype, keep_norm_fp32: bool,
@@ -306,22 +328,31 @@ def convert_to_amp(
             "float32 so the float32 master weights start from the exact values."
         )
     masters: dict[int, torch.Tensor] | None = None
+    # The dtype each optimizer param is stepped in (where it has no master), known
+    # before anything is cast, so that a refusal leaves the model as it was.
+    stepped = {id(p): p.dtype for opt in optimizers for g in opt.param_groups
+               for p in g["params"]}
     if plan.enabled and plan.cast_model_type is not None:
         target = DTYPES[plan.cast_model_type]
         if target in HALF:
             refuse_data_parallel_wrapper(model, plan)
         _check_fsdp_units(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
+        if plan.master_weights and any(has_stepped(opt) for opt in optimizers):
+            raise ValueError("`optimizer` already has state; convert it to master "
+                             "weights before its first step.")
+        if not plan.master_weights:
+            stepped.update((i, target) for i in params_cast(
+                model, plan.keep_norm_fp32, is_norm or is_norm_module) if i in stepped)
+    _refuse_broken_fused_sgd(optimizers, stepped)
+    _refuse_vanishing_eps(optimizers, stepped)
+    if plan.enabled and plan.cast_model_type is not None:
         if plan.master_weights:
-            if any(has_stepped(opt) for opt in optimizers):
-                raise ValueError("`optimizer` already has state; convert it to master "
-                                 "weights before its first step.")
             masters = make_masters(optimizers)
         cast_model(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
         if masters is not None:
             masters = keep_half_masters(masters, optimizers)
     if plan.enabled and plan.fp8_recipe is not None:
         convert_to_fp8(model, plan.fp8_recipe, process_group=amax_groups or None)
-    _refuse_broken_fused_sgd(optimizers, masters)
     _check_step_chunks(step_chunks, plan, optimizers, masters)
     if plan.verbose:
         print(f"mpfunc_torch.convert_to_amp: {plan.describe()}")
