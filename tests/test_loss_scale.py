@@ -864,6 +864,41 @@ class TestRestoredStates:
         _, s = opt.update(bad, s, params)
         assert int(s.skipped_steps) == 1 and int(s.consecutive_skips) == 1
 
+    @pytest.mark.parametrize("raw", [0.0, 0.25, float("nan"), -1.0])
+    def test_a_restored_scale_below_one_never_lets_a_non_finite_through(self, raw):
+        # The check reads the scaled gradients where the config keeps the scale >= 1.
+        # A state restored from a run whose floor was lower (0.25), or holding 0 or NaN,
+        # was unscaled by its own value: 1.5e38 * 4 overflowed, 0 * (1 / 0) was NaN, and
+        # either reached the params. Now that step is skipped, and the next scale is in
+        # this config's range.
+        params = {"w": jnp.ones(3)}
+        for opt in (mpfunc.dynamic_scale(lenient(optax.sgd(1e-3))),
+                    mpfunc.static_scale(2.0**10, lenient(optax.sgd(1e-3))),
+                    mpfunc.chain(mpfunc.dynamic_scale(), lenient(optax.sgd(1e-3)))):
+            state = opt.init(params)
+            state = jax.tree_util.tree_map(
+                lambda s: s._replace(loss_scale=jnp.float32(raw))
+                if isinstance(s, mpfunc.LossScaleState) else s,
+                state, is_leaf=lambda s: isinstance(s, mpfunc.LossScaleState))
+
+            @functools.partial(jax.jit, static_argnums=0)
+            def step(opt, params, state):
+                grads = jax.grad(lambda p: mpfunc.scale_loss(
+                    jnp.sum(jnp.float32(1.5e38) * p["w"]) + jnp.sum(p["w"] ** 2), state))(params)
+                updates, state = opt.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+
+            new, state = step(opt, params, state)
+            np.testing.assert_array_equal(new["w"], params["w"])
+            metrics = mpfunc.scale_metrics(state)
+            assert not bool(metrics["last_finite"]) and float(metrics["loss_scale"]) >= 1.0
+        # With a floor below 1 the unscaled gradients are checked: 0.25 is a scale there.
+        opt = mpfunc.dynamic_scale(lenient(optax.sgd(1e-3)), min_scale=2.0**-4)
+        state = opt.init(params)._replace(loss_scale=jnp.float32(0.25))
+        grads = jax.grad(lambda p: mpfunc.scale_loss(jnp.sum(p["w"] ** 2), state))(params)
+        _, state = opt.update(grads, state, params)
+        assert bool(state.last_finite)
+
     def test_state_of_another_inner_optimizer_is_a_clear_error(self):
         params = {"w": jnp.ones((2,))}
         adam_state = mpfunc.dynamic_scale(adam(1e-3)).init(params)

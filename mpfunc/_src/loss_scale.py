@@ -125,6 +125,10 @@ def _scale_transform(
             # so that it does not need the unscaled ones materialised for it.
             checked = grads if below_one else updates
         finite = all_finite(checked, axis_name)
+        if checked is updates and unscale:
+            # That holds at a scale >= 1 only: a state restored from a config that went
+            # below 1 (or holding 0 or NaN) skips this step, and the next scale is in range.
+            finite = finite & (state.loss_scale >= 1) & (state.loss_scale <= FLOAT32_MAX)
 
         if inner is None:
             # Chain form: never let inf/nan reach a later link; emit -0.0 instead.
