@@ -356,6 +356,34 @@ def test_apex_o2_runs_matmuls_in_half_around_float32_norms(pre):
     assert grads["blocks"][0]["wq"].dtype == F16
 
 
+@pytest.mark.parametrize("mode, cfg", [("naive", {}), ("apex", {"opt_level": "O3"}),
+                                       ("apex", {"opt_level": "O2"})])
+def test_half_modes_run_a_stock_nnx_models_matmuls_in_half(mode, cfg):
+    # nnx.Embed fixes its `dtype` (float32) when it is built, so with float16 params its
+    # output was float32 and every later matmul ran f32 x f32 in naive and O3 (O2's
+    # half-model rules already caught it): float16 storage, no float16 compute.
+    from flax import nnx
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(32, 16, rngs=rngs)
+            self.fc = nnx.Linear(16, 32, rngs=rngs)
+
+        def __call__(self, tok):
+            return self.fc(self.embed(tok))
+
+    graph, params, rest = nnx.split(LM(nnx.Rngs(0)), nnx.Param, ...)
+    amp = mpfunc.convert_to_amp(lambda p, t: nnx.merge(graph, p, rest)(t), optax.sgd(0.1),
+                                mode=mode, **cfg, **({"verbosity": 0} if mode == "apex" else {}))
+    p16 = amp.cast_params(params)
+    tokens = jnp.zeros((4, 8), jnp.int32)
+    with jax.numpy_dtype_promotion("standard"):
+        assert dot_operand_dtypes(amp.apply_fn, p16, tokens) == {("float16", "float16"): 1}
+        grad_fn = jax.grad(lambda p: amp.apply_fn(p, tokens).sum())
+        assert set(dot_operand_dtypes(grad_fn, p16)) == {("float16", "float16")}
+        assert amp.apply_fn(p16, tokens).dtype == F32
+
+
 def test_apex_o2_norm_output_goes_back_to_the_compute_dtype():
     # The op after the norm (tanh here) sees float16, as the torch side's norm hooks give;
     # the norm's own arithmetic with its float32 params runs in float32.

@@ -139,8 +139,9 @@ def convert_to_amp(
     are cast to float32 (JAX has no criterion wrapper; this is its analogue). In O2 the
     params `is_norm` selects stay float32; an op applying one to an activation runs in
     float32 and returns the compute dtype (a norm's output goes back to half precision,
-    as the torch side's norm hooks do), and matmuls run in the compute dtype with float32
-    accumulation, whatever upcast reached them. In fp8 the dense matmuls
+    as the torch side's norm hooks do). In O2, O3 and naive, matmuls run in the compute
+    dtype with float32 accumulation, whatever upcast reached them (a flax NNX layer's
+    ``dtype``, fixed when it is built, would otherwise keep them float32). In fp8 the dense matmuls
     (`mpfunc.convert_to_fp8`) run in fp8 with ``recipe``; with delayed scaling
     ``apply_fn`` takes ``fp8_state=`` (``amp.apply_fn.init(params, *args)``), whose
     gradient is the next step's state; ``axis_name`` also MAX-reduces the per-tensor
@@ -230,11 +231,13 @@ def convert_to_amp(
 
         def wrapped(params, *args, **kwargs):
             return policy.cast_to_output(inner_apply(params, *args, **kwargs))
-    elif keep is not None and compute != f32:
-        # O2: a half model with float32 norms. Matmuls stay in the compute dtype and each
-        # norm's output goes back to it (as the torch side's norm hooks do), instead of
-        # float32 norm params promoting everything after them to float32.
-        inner_apply = half_model(apply_fn, compute, keep)
+    elif compute != f32:
+        # A half model (naive, O3; O2 with float32 norms). Matmuls run in the compute
+        # dtype whatever upcast reached them (an NNX layer's `dtype` is fixed when it
+        # is built: nnx.Embed's float32 would otherwise make every later matmul float32),
+        # and in O2 each norm's output goes back to it (as the torch side's norm hooks
+        # do), instead of float32 norm params promoting everything after them to float32.
+        inner_apply = half_model(apply_fn, compute, keep or (lambda path, leaf: False))
 
         def wrapped(params, *args, **kwargs):
             args, kwargs = policy.cast_to_compute((args, kwargs))
