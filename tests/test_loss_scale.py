@@ -665,6 +665,22 @@ class TestSharding:
                                              r"axis_name=\('data', 'model'\)"):
             f(jnp.ones((4, 8)), jnp.ones((8, 4)))
 
+    def test_no_axis_name_inside_shard_map_is_a_trace_time_error(self):
+        # The likelier mistake: no axis_name at all. No check ran, and jax failed deep in
+        # Adam ("pow requires varying manual axes to match ... open an issue").
+        opt = mpfunc.dynamic_scale(adam(1e-2))
+
+        def step(w, x):
+            grads = jax.grad(lambda w: jax.lax.pmean(jnp.sum((x @ w) ** 2), "data"))(w)
+            _, state = opt.update(grads, opt.init(w), w)
+            return state.loss_scale
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh_2d(), in_specs=(P(None, "model"), P("data")),
+                                  out_specs=P()))
+        with pytest.raises(ValueError, match=r"varying over mesh axes \('model',\) .*no "
+                                             r"`axis_name` was given.*axis_name=\('model',\)"):
+            f(jnp.ones((4, 8)), jnp.ones((8, 4)))
+
     def test_optax_apply_if_finite_decides_per_shard(self):
         # The prior art this replaces: without a psum, replicas disagree.
         mesh = mesh_2d()

@@ -207,4 +207,11 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     count = nonfinite_count(tree)
     if axis_name is not None:
         count = psum_over(count, axis_name)
+    elif varying := _varying_axes(count):
+        names = tuple(sorted(varying, key=str))
+        raise ValueError(
+            f"The non-finite count is varying over mesh axes {names} (inside shard_map) "
+            "and no `axis_name` was given: the shards would decide differently whether "
+            f"to skip, and one would step while another does not. Pass axis_name={names!r} "
+            "(to dynamic_scale / static_scale / no_scale, value_and_grad or all_finite).")
     return finite_from_count(count)
