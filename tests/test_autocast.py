@@ -249,11 +249,20 @@ def test_compiled_program_equals_hand_cast_version():
 
 @pytest.mark.parametrize("kwargs, err, match", [
     (dict(compute_dtype=jnp.float32), ValueError, "`compute_dtype` must be float16 or bfloat16"),
+    # numpy alone reads "f16" as a 16-byte float and does not know "bf16"
+    (dict(compute_dtype="fp16"), ValueError, "or 'f16', 'bf16', 'half'\\), got 'fp16'"),
     (dict(lists="dot_general"), TypeError, "`lists` must be an AutocastLists"),
 ])
 def test_bad_arguments(kwargs, err, match):
     with pytest.raises(err, match=match):
         mpfunc.autocast(lambda x: x, **kwargs)
+
+
+@pytest.mark.parametrize("name, dtype", [("f16", jnp.float16), ("half", jnp.float16),
+                                         ("bf16", jnp.bfloat16), ("bfloat16", jnp.bfloat16)])
+def test_compute_dtype_takes_the_policy_names(name, dtype):
+    out = mpfunc.autocast(lambda x, w: x @ w, compute_dtype=name)(jnp.ones((2, 3)), jnp.ones((3, 4)))
+    assert out.dtype == dtype
 
 
 def test_bad_lists():

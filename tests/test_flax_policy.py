@@ -368,6 +368,8 @@ def test_linen_apply_before_init_and_errors():
         mpfunc.linen_policy(LinenNet(), "f32", {"LayerNorm": "f32"})
     with pytest.raises(TypeError, match="`per_class` must be a mapping"):
         mpfunc.linen_policy(LinenNet(), "f32", [nn.LayerNorm])
+    with pytest.raises(ValueError, match="`per_class\\[LayerNorm\\]`: .*unknown dtype 'bad'"):
+        mpfunc.linen_policy(LinenNet(), "f32", {nn.LayerNorm: "bad"})
 
 
 class WithMetadata(nn.Module):

@@ -915,6 +915,14 @@ class TestRestoredStates:
         _, state = opt.update(grads, state, params)
         assert bool(state.last_finite)
 
+    def test_gradients_of_other_shapes_are_a_clear_error(self):
+        params = {"w": jnp.ones((3, 2))}
+        opt = mpfunc.dynamic_scale(adam(1e-3))
+        with pytest.raises(ValueError, match="`updates` \\(the gradients\\) must have the "
+                                             "structure and leaf shapes of `params`: got "
+                                             "shapes \\[\\(4, 2\\)\\]"):
+            jax.jit(opt.update)({"w": jnp.ones((4, 2))}, opt.init(params), params)
+
     def test_state_of_another_inner_optimizer_is_a_clear_error(self):
         params = {"w": jnp.ones((2,))}
         adam_state = mpfunc.dynamic_scale(adam(1e-3)).init(params)

@@ -102,6 +102,21 @@ def train_step(amp):
     return step
 
 
+@pytest.mark.parametrize("mode, cfg", MODES + [("torch", {"enabled": False})],
+                         ids=IDS + ["disabled"])
+def test_cast_params_never_hands_back_the_arrays_passed_in(mode, cfg):
+    # In the float32 modes the result was the very arrays passed in, so a donating step
+    # deleted the caller's params (a loop comparing modes from one init failed).
+    amp = mpfunc.convert_to_amp(apply, adam(3e-3), mode=mode, **cfg)
+    ref = init(jax.random.key(0))
+    params = amp.cast_params(ref)
+    step = jax.jit(train_step(amp), donate_argnums=(0, 1))
+    x, y = next(iter(task(1)))
+    step(params, amp.optimizer.init(params), x, y)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(ref))
+    assert all(a.is_deleted() for a in jax.tree.leaves(params))
+
+
 @pytest.mark.parametrize("mode, cfg", MODES, ids=IDS)
 def test_every_mode_steps_with_params_and_state_donated_straight_from_init(mode, cfg):
     # How large models train: jit(step, donate_argnums=(0, 1)) on the state `init` made,

@@ -330,6 +330,11 @@ def test_state_sharding_for_factored_state_and_bad_input():
         mpfunc.state_sharding(opt, {"w": np.ones((16, 8), np.float32)})
     with pytest.raises(TypeError, match="`params` leaves must be all of one kind"):
         mpfunc.state_sharding(opt, {"w": params["w"], "v": P()})
+    with pytest.raises(TypeError, match="`optimizer` must be an optax GradientTransformation, "
+                                        "got function \\(a factory: call it"):
+        mpfunc.state_sharding(optax.adam, params)
+    with pytest.raises(TypeError, match="got NoneType\\.$"):
+        mpfunc.state_sharding(None, params)
 
 
 def _collectives(compiled):

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpfunc._src.policy import DTYPE_ALIASES
 from mpfunc._src.rewrite import (
     INLINE,
     Literal,
@@ -294,9 +295,15 @@ def autocast(
         return functools.partial(autocast, compute_dtype=compute_dtype, lists=lists)
     if not callable(fn):
         raise TypeError(f"`fn` must be callable, got {type(fn).__name__}.")
-    compute = np.dtype(compute_dtype)
+    try:  # the policy strings' names too ("f16", "bf16", "half"); numpy reads "f16" as
+        # a 16-byte float
+        compute = np.dtype(DTYPE_ALIASES.get(compute_dtype, compute_dtype)
+                           if isinstance(compute_dtype, str) else compute_dtype)
+    except TypeError:
+        compute = None
     if compute not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
-        raise ValueError(f"`compute_dtype` must be float16 or bfloat16, got {compute.name}.")
+        raise ValueError("`compute_dtype` must be float16 or bfloat16 (or 'f16', 'bf16', "
+                         f"'half'), got {compute_dtype!r}.")
     if lists is None:
         lists = AutocastLists()
     elif not isinstance(lists, AutocastLists):

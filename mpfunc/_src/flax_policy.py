@@ -65,7 +65,10 @@ def _resolve(policy, per_class) -> tuple[Policy, dict[type, Policy]]:
     for cls, p in (per_class or {}).items():
         if not isinstance(cls, type):
             raise TypeError(f"`per_class` keys must be module classes, got {cls!r}.")
-        overrides[cls] = get_policy(p)
+        try:
+            overrides[cls] = get_policy(p)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"`per_class[{cls.__name__}]`: {e}") from None
     return base, overrides
 
 

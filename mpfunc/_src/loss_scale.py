@@ -19,7 +19,7 @@ from _mpfunc_common.scale_config import (
 )
 from mpfunc._src.distributed import AxisName, _is_float, all_finite, check_axis_name
 from mpfunc._src.exact_skip import cond_skip_update, neg_zeros_like, skip_update
-from mpfunc._src.scale_rule import check_inner_state, next_scale
+from mpfunc._src.scale_rule import check_inner_state, check_updates_fit, next_scale
 from mpfunc._src.scale_state import LossScaleState, ScaledValueAndGrad, _unscale
 
 __all__ = [
@@ -149,6 +149,7 @@ def _scale_transform(
                         fused=skip_with == "fused")
             except Exception:
                 check_inner_state(inner, state, params if params is not None else grads)
+                check_updates_fit(grads, params)
                 raise
             if _shapes(new_inner) != _shapes(state.inner_state):
                 check_inner_state(inner, state, params if params is not None else grads)

@@ -80,7 +80,8 @@ class AmpSetup(NamedTuple):
         requires); use `mpfunc.scale_loss` / `mpfunc.scale_metrics` with its state.
       policy: the mode's `Policy` (params / compute / output dtypes).
       cast_params: casts float32 params to the mode's storage dtypes (norm params stay
-        float32 where the mode keeps norms in float32).
+        float32 where the mode keeps norms in float32), into new buffers in every mode,
+        so that a step donating them leaves the arrays passed in alive.
       plan: the resolved mode (shared with the torch side).
     """
 
@@ -92,12 +93,15 @@ class AmpSetup(NamedTuple):
 
 
 def _cast_tree(tree, dtype, keep: Callable | None):
+    """``tree``'s floating arrays in ``dtype`` (float32 where ``keep``), each a new buffer
+    (as the cast ones are), so that donating the result never deletes the caller's."""
     def f(path, x):
         if not (isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)):
             return x
-        if keep is not None and keep(path, x):
-            return x.astype(jnp.float32) if x.dtype != jnp.float32 else x
-        return x.astype(dtype) if x.dtype != dtype else x
+        want = jnp.float32 if keep is not None and keep(path, x) else dtype
+        if x.dtype != want:
+            return x.astype(want)
+        return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
 
     return jax.tree_util.tree_map_with_path(f, tree)
 
@@ -211,7 +215,8 @@ def convert_to_amp(
         # runs with AMP on and off; non-finite steps are still skipped (free under jit).
         policy = Policy(f32, f32, f32)
         tx = _scale_transform(optimizer, cfg=None, static_value=1.0, axis_name=axis_name)
-        return AmpSetup(apply_fn, tx, policy, lambda p: p, plan)
+        return AmpSetup(apply_fn, tx, policy, lambda p: jax.tree.map(  # new buffers, as below
+            lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, p), plan)
 
     param_dtype = _JNP[plan.cast_model_type] if plan.cast_model_type else f32
     compute = _JNP[plan.autocast_dtype] if plan.autocast_dtype else param_dtype

@@ -38,6 +38,20 @@ def check_inner_state(inner, state: Any, like: Any) -> None:
         )
 
 
+def check_updates_fit(updates: Any, params: Any) -> None:
+    """At trace time, after the inner update failed: gradients with other leaf shapes
+    than ``params`` are named as such (jax's own error is a broadcasting failure)."""
+    if params is None:
+        return
+    shapes = lambda t: [jnp.shape(x) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
+    got, want = jax.tree_util.tree_structure(updates), jax.tree_util.tree_structure(params)
+    if got != want or shapes(updates) != shapes(params):
+        short = lambda x: (s if len(s := str(x)) < 300 else s[:300] + " ...")  # noqa: E731
+        raise ValueError(
+            "`updates` (the gradients) must have the structure and leaf shapes of `params`: "
+            f"got shapes {short(shapes(updates))}, params have {short(shapes(params))}.")
+
+
 def next_scale(cfg: ScaleConfig, state: Any, finite: jax.Array):
     """One step of the update rule (`UPDATE_RULE`), without branching in Python.
 

@@ -58,7 +58,8 @@ def state_sharding(optimizer: optax.GradientTransformation, params: Any) -> Any:
       ``Sharding`` objects (or ``PartitionSpec`` objects for ``PartitionSpec`` input).
 
     Raises:
-      TypeError: a ``params`` leaf is none of the accepted kinds, the leaves mix kinds, or
+      TypeError: ``optimizer`` is not an optax transformation; a ``params`` leaf is none
+        of the accepted kinds, the leaves mix kinds, or
         a sharding is neither a ``NamedSharding`` nor a single-device one.
 
     Examples:
@@ -69,6 +70,10 @@ def state_sharding(optimizer: optax.GradientTransformation, params: Any) -> Any:
       >>> specs.inner_state.master_params["w"], specs.loss_scale
       (P('data', None), P())
     """
+    if not isinstance(optimizer, optax.GradientTransformation):
+        hint = " (a factory: call it, e.g. optax.adam(1e-3))" if callable(optimizer) else ""
+        raise TypeError("`optimizer` must be an optax GradientTransformation, got "
+                        f"{type(optimizer).__name__}{hint}.")
     is_leaf = lambda x: isinstance(x, PartitionSpec | Sharding)  # noqa: E731
     leaves = jax.tree.leaves(params, is_leaf=is_leaf)
     kinds = {_param_kind(x) for x in leaves}
