@@ -75,3 +75,44 @@ def test_clip_matches_torch_bit_for_bit_and_handles_sparse_values():
                                      (5, 1), check_invariants=True)
     with pytest.raises(ValueError, match="coalesce"):  # its values are a temporary copy
         mpfunc_torch.clip_grad_norm_([p], 1.0)
+
+
+@pytest.mark.parametrize("mode, cfg", [("naive", {"initial_scale": 2.0**8}),
+                                       ("apex", {"opt_level": "O2", "verbosity": 0})])
+def test_clip_grad_norm_follows_a_converted_models_params_to_their_masters(mode, cfg):
+    # GradScaler's habit, unscale_() then clip model.parameters(): with master weights the
+    # gradients have moved into the float32 masters there, and torch's own clip sees none
+    # (it returns 0 and clips nothing; README). Ours follows the params to the masters
+    # and clips exactly as optimizer.clip_grad_norm does.
+    from torch_task import tiny_batch, tiny_model
+
+    def run(clip):
+        net = tiny_model(0)
+        model, opt, crit = mpfunc_torch.convert_to_amp(
+            net, torch.optim.SGD(net.parameters(), lr=1.0), torch.nn.MSELoss(), mode=mode,
+            **cfg)
+        x, y = tiny_batch(0)
+        opt.scale_loss(crit(model(x), y)).backward()
+        if clip == "torch":
+            opt.unscale_()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        elif clip == "ours":
+            opt.unscale_()
+            norm = mpfunc_torch.clip_grad_norm_(model.parameters(), 0.01)
+        else:
+            norm = opt.clip_grad_norm(0.01)
+        assert bool(opt.step())
+        return float(norm), [p.detach().clone() for p in net.parameters()]
+
+    norm, params = run("optimizer")
+    ours_norm, ours = run("ours")
+    assert norm > 0.01 and ours_norm == norm
+    assert all(torch.equal(a, b) for a, b in zip(params, ours))
+    torch_norm, unclipped = run("torch")  # the pitfall, pinned
+    assert torch_norm == 0.0 and not all(torch.equal(a, b) for a, b in zip(params, unclipped))
+    net = tiny_model(0)
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=1.0), torch.nn.MSELoss(), mode=mode, **cfg)
+    opt.scale_loss(crit(model(tiny_batch(0)[0]), tiny_batch(0)[1])).backward()
+    with pytest.raises(RuntimeError, match="before optimizer.unscale_\\(\\)"):
+        mpfunc_torch.clip_grad_norm_(model.parameters(), 0.01)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mpfunc_torch._src.distributed import normalize_groups
+from mpfunc_torch._src.master_weights import master_of
 from mpfunc_torch._src.sharding import is_dtensor, local
 
 __all__ = ["mark_replicated", "replicated_over", "clip_grad_norm_", "global_grad_norm",
@@ -353,6 +354,9 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     already averaged) and `mark_replicated` the params that every rank of a group holds
     whole. All ranks then clip by the same factor, so the split model trains like the
     unsplit one. `AmpOptimizer.clip_grad_norm` calls this with the optimizer's groups.
+    A converted model's params with float32 master weights (naive, apex O2) are followed
+    to their masters, where their gradients are after ``optimizer.unscale_()``
+    (``torch.nn.utils.clip_grad_norm_`` sees no gradients on them there).
 
     Returns:
       The total norm before clipping (a float32 0-dim tensor, the same on every rank).
@@ -369,6 +373,19 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
         raise ValueError(f"`max_norm` must be a number > 0, got {max_norm!r}.")
-    total = global_grad_norm(params, norm_type, process_group=process_group)
-    clip_grads_with_norm_(params, float(max_norm), total)
+    # A converted model's param with a float32 master (naive, apex O2): its gradient
+    # moves into the master at `unscale_()`, and the master's is what steps.
+    owned = []
+    for p in params:
+        m = master_of(p)
+        if m is not None and m.grad is None and p.grad is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ on a converted model's params before optimizer.unscale_(): "
+                "their gradients are still scaled, and move into the float32 master weights "
+                "at unscale_(). Call optimizer.unscale_() first, or optimizer.clip_grad_norm("
+                "max_norm), which does both.")
+        owned.append(p if m is None else m)
+    total = global_grad_norm(owned, norm_type, process_group=process_group,
+                             mark_sources=params)
+    clip_grads_with_norm_(owned, float(max_norm), total)
     return total

@@ -12,17 +12,20 @@ after `convert_to_amp` is not undone by stale masters at the next step.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.sharding import is_dtensor, local, mesh_groups
 
 __all__ = [
     "non_finite_names",
+    "master_of",
     "make_masters",
     "keep_half_masters",
     "has_stepped",
@@ -70,6 +73,17 @@ def has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     return False
 
 
+# model param -> (a weak reference to) its float32 master, for `master_of`. Keyed by
+# identity (tensors compare elementwise) and weak both ways: it keeps neither alive.
+_MASTER_OF = WeakIdKeyDictionary()
+
+
+def master_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The float32 master weight that steps in place of model ``param``, or None."""
+    ref = _MASTER_OF.get(param)
+    return ref() if ref is not None else None
+
+
 def swap_in_masters_(optimizer: torch.optim.Optimizer,
                      masters: dict[int, nn.Parameter]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Puts the masters in ``optimizer.param_groups`` in place of their params, moving
@@ -82,6 +96,7 @@ def swap_in_masters_(optimizer: torch.optim.Optimizer,
             m = masters.get(id(p), p)
             if m is not p:
                 pairs.append((p, m))
+                _MASTER_OF[p] = weakref.ref(m)
                 if p in optimizer.state:
                     optimizer.state[m] = optimizer.state.pop(p)
             new.append(m)
