@@ -250,6 +250,37 @@ def test_amax_is_max_reduced_under_shard_map(check_vma):
             sharded(None)
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_convert_to_fp8_converts_under_shard_map(check_vma):
+    # With varying-axes typing shard_map marks the replicated kernel `pvary` before it
+    # meets the sharded batch; the converter lost the parameter there and converted
+    # nothing (no error; delayed state came back all zeros).
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    x, w, r = data(8 * 4, 32, 16)
+    recipe = mpfunc.Fp8Recipe("delayed", amax_history_len=4)
+    fn = lambda p, x: x @ p["w"]  # noqa: E731
+    state = mpfunc.convert_to_fp8(fn, recipe).init({"w": w}, x)
+    f = mpfunc.convert_to_fp8(fn, recipe, axis_name="data")
+
+    def local(p, s, x, r):
+        gw, ns = jax.grad(lambda p, s: jnp.sum(f(p, x, fp8_state=s) * r), argnums=(0, 1))(p, s)
+        return (jax.lax.psum(gw, "data") if not check_vma else gw), ns
+
+    sm = jax.shard_map(local, mesh=mesh,
+                       in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P()),
+                       check_vma=check_vma)
+    gw_s, ns_s = jax.jit(sm)({"w": w}, state, x, r)
+    one = mpfunc.convert_to_fp8(fn, recipe)
+    gw_1, ns_1 = jax.grad(lambda p, s: jnp.sum(one(p, x, fp8_state=s) * r),
+                          argnums=(0, 1))({"w": w}, state)
+    for a, b in zip(jax.tree.leaves(ns_s), jax.tree.leaves(ns_1)):
+        np.testing.assert_array_equal(a, b)
+    assert float(ns_s["w"].input.amax_history[0]) == float(jnp.abs(x).max())
+    np.testing.assert_allclose(gw_s["w"], gw_1["w"], rtol=1e-4, atol=1e-6)
+    jaxpr = str(jax.make_jaxpr(sm)({"w": w}, state, x, r))
+    assert "f8_e4m3fn" in jaxpr and "f8_e5m2" in jaxpr
+
+
 def test_sharded_jit_fsdp_style_uses_global_amaxes_without_axis_name():
     # Under jit with sharded arrays (FSDP: kernel and batch split over "data") the amax
     # is a reduction over the global array, so every device has the same state.

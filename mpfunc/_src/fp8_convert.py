@@ -27,9 +27,11 @@ from mpfunc._src.rewrite import INLINE, Literal, Rewriter
 
 __all__ = ["Fp8Function", "convert_to_fp8", "fp8_mode_apply"]
 
-# Ops that keep "this value is a parameter" (layout and dtype changes only).
+# Ops that keep "this value is a parameter" (layout and dtype changes only; shard_map's
+# `pvary` marks a replicated parameter as varying before it meets a sharded activation).
 _LAYOUT = frozenset({"convert_element_type", "transpose", "reshape", "squeeze",
-                     "expand_dims", "copy", "copy_p", "optimization_barrier"})
+                     "expand_dims", "copy", "copy_p", "optimization_barrier", "pvary",
+                     "pbroadcast"})
 
 
 class _Fp8Rewriter(_Rules):
