@@ -102,7 +102,7 @@ def test_tensor_parallel_over_two_ranks_trains_like_one_process(recipe):
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_hand_split_tensor_parallel_over_two_ranks_trains_like_one_process(recipe):
     # Megatron style, plain tensors: a column-parallel then a row-parallel Linear, the
-    # output all-reduced by hand; process_group=tp MAX-reduces the amaxes of the split
+    # output all-reduced by hand; fp8_amax_group=tp MAX-reduces the amaxes of the split
     # weights, inputs and gradients, so every rank quantises with the whole tensor's
     # scale, as one process does.
     assert_ranks_agree_and_follow_one_process(*launch(f"megatron-{recipe}"))
@@ -170,7 +170,7 @@ def _megatron_worker(rank: int, recipe: str) -> dict:  # pragma: no cover - subp
     tp = dist.group.WORLD
     mpfunc_torch.mark_replicated(net.b2, tp)
     # clip: the global norm over the split params (a collective).
-    _train_side_by_side(net, ref, recipe, clip=True, process_group=tp)
+    _train_side_by_side(net, ref, recipe, clip=True, process_group=tp, fp8_amax_group=tp)
 
     def gathered(t, dim):
         parts = [torch.empty_like(t) for _ in range(2)]
@@ -244,7 +244,8 @@ def _ddp_worker(rank: int) -> dict:  # pragma: no cover - subprocess
         net = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(),
                                   torch.nn.Linear(16, 4))
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        group = {"fp8_amax_group" if how == "amax_group" else how: dist.group.WORLD}
+        group = ({"fp8_amax_group": dist.group.WORLD} if how == "amax_group" else
+                 {"process_group": dist.group.WORLD, "fp8_amax_group": dist.group.WORLD})
         model, opt, crit = mpfunc_torch.convert_to_amp(
             net, opt, torch.nn.MSELoss(), mode="fp8", recipe="delayed", **group)
         # broadcast_buffers=False: the histories agree through the amax reduction alone

@@ -38,3 +38,14 @@ def test_losses_match_one_process(pipe2):
     ref = reference("naive", tm.CLIP, False)["losses"]
     got = pipe2[1]["naive"]["losses"]
     assert got == pytest.approx(ref, rel=1e-3)
+
+
+def test_fp8_stages_skip_together_without_an_amax_reduction_between_them(pipe2):
+    # process_group=pp was also the fp8 amax group: each stage started an all-reduce in
+    # its forward while the other waited on point-to-point, and the pipeline hung. Now
+    # fp8 with process_group needs fp8_amax_group (here (): stages hold other layers).
+    assert "name the groups to MAX-reduce the fp8 amaxes" in pipe2[0]["fp8_pipeline_error"]
+    reports = [r["fp8"]["report"] for r in pipe2]
+    assert [s[0] for s in reports[0]] == [True, False, True]  # the injected step skipped
+    assert reports[0] == reports[1]  # one decision, one scale, one clipping norm
+    assert all(r["fp8"]["skip_exact"] == [True] for r in pipe2)

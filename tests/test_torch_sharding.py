@@ -122,6 +122,18 @@ def test_fp8_amax_group_is_checked(gloo_world):
     model, _, _ = mpfunc_torch.convert_to_amp(net, sgd(net), mode="fp8", fp8_amax_group=group)
     fp8 = [m for m in net.modules() if isinstance(m, mpfunc_torch.Fp8Linear)]
     assert fp8 and all(m._groups == (group,) for m in fp8)
+    # process_group (the inf check's) may be pipeline stages: the amax groups are named.
+    with pytest.raises(ValueError, match="name the groups to MAX-reduce the fp8 amaxes over "
+                                         "in `fp8_amax_group`.*fp8_amax_group=\\(\\)"):
+        net = mlp()
+        mpfunc_torch.convert_to_amp(net, sgd(net), mode="fp8", process_group=group)
+    assert all(p.dtype == torch.float32 and type(m) is torch.nn.Linear
+               for m in net.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+    net = mlp()
+    mpfunc_torch.convert_to_amp(net, sgd(net), mode="fp8", process_group=group,
+                                fp8_amax_group=())
+    fp8 = [m for m in net.modules() if isinstance(m, mpfunc_torch.Fp8Linear)]
+    assert fp8 and all(m._groups == () for m in fp8)
     net = mlp()  # the Booster spelling takes it too
     mpfunc_torch.boost(net, sgd(net), mixed_precision="fp8", fp8_amax_group=group)
     assert all(m._groups == (group,) for m in net.modules()

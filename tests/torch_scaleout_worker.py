@@ -443,14 +443,27 @@ def pipeline_runs(tp_size):
     tp_groups = [dist.new_group([s * tp_size + t for t in range(tp_size)]) for s in range(2)]
     pp_groups = [dist.new_group([t, tp_size + t]) for t in range(tp_size)]
     tp, pp = tp_groups[stage], pp_groups[tp_rank]
-    labels = [lab for lab, _, _ in tm.MODES] if tp_size == 1 else ["torch", "O2", "naive"]
+    labels = ([lab for lab, _, _ in tm.MODES] + ["fp8"] if tp_size == 1
+              else ["torch", "O2", "naive"])
     for label in labels:
         full = tm.make_model()
         if tp_size > 1:
             full = tm.megatron_split(full, tp_rank, tp_size, tp)
         part = tm.FirstStage(full) if stage == 0 else tm.LastStage(full)
         groups = [pp] if tp_size == 1 else [tp, pp]
-        model, opt, crit = convert(part, label, process_group=groups)
+        if label == "fp8":  # the stages hold different layers: no amax reduction
+            other = tm.LastStage(tm.make_model())
+            try:
+                mpfunc_torch.convert_to_amp(other, tm.make_optimizer(other.parameters(), label),
+                                            mode="fp8", recipe="delayed", process_group=groups)
+                results["fp8_pipeline_error"] = None
+            except ValueError as e:
+                results["fp8_pipeline_error"] = str(e)
+            model, opt, crit = mpfunc_torch.convert_to_amp(
+                part, tm.make_optimizer(part.parameters(), label), tm.loss_fn, mode="fp8",
+                recipe="delayed", process_group=groups, fp8_amax_group=())
+        else:
+            model, opt, crit = convert(part, label, process_group=groups)
         pipe = PipelineStage(model, stage, 2, torch.device("cpu"), group=pp)
         sched = ScheduleGPipe(pipe, n_microbatches=2,
                               loss_fn=lambda out, y, opt=opt, crit=crit:

@@ -135,8 +135,11 @@ def _check_fsdp_units(model: nn.Module, target: torch.dtype, keep_norm_fp32: boo
 
 
 def _amax_groups(plan, groups: tuple, fp8_amax_group: Any) -> tuple:
-    """The groups the fp8 amaxes are reduced over: ``process_group``'s and
-    ``fp8_amax_group``'s, for per-tensor recipes (a blockwise/rowwise scale is local)."""
+    """The groups the fp8 amaxes are reduced over, ``fp8_amax_group``'s, for per-tensor
+    recipes (a blockwise/rowwise scale is local). ``process_group`` (the inf check's and
+    clipping's groups) may hold pipeline stages, whose layers differ: an amax reduction
+    there deadlocked, so with it the amax groups must be named (``()`` for none)."""
+    explicit = fp8_amax_group is not None
     extra = normalize_groups(fp8_amax_group, name="fp8_amax_group")
     fp8 = plan.enabled and plan.fp8_recipe is not None
     if extra and not fp8:
@@ -149,7 +152,14 @@ def _amax_groups(plan, groups: tuple, fp8_amax_group: Any) -> tuple:
                              f"{plan.fp8_recipe.describe()!r} scales blocks or rows "
                              "locally. Remove it.")
         return ()
-    return groups + tuple(g for g in extra if all(g is not h for h in groups))
+    if groups and not explicit:
+        raise ValueError(
+            "mode='fp8' with a per-tensor recipe and `process_group`: name the groups to "
+            "MAX-reduce the fp8 amaxes over in `fp8_amax_group` (a hand-split tensor-"
+            "parallel group, a data-parallel group), or fp8_amax_group=() for none. "
+            "`process_group` may hold pipeline stages, whose layers differ: reducing amaxes "
+            "over them would pair unrelated layers (and deadlocked a pipeline).")
+    return extra
 
 
 def convert_to_amp(
@@ -222,13 +232,13 @@ def convert_to_amp(
         is harmless for the skip but would count its averaged gradients N times in
         the clipping norm). FSDP2 / tensor parallelism go first: shard, build the
         optimizer over the sharded params, then convert, before the first forward
-        (the other order is refused at the first forward). In the fp8 mode with
-        per-tensor recipes (tensorwise, delayed) the amaxes are MAX-reduced over these
-        groups too (a tensor split by hand gets one scale).
-      fp8_amax_group: the fp8 mode only, per-tensor recipes: more groups (typically the
-        data-parallel group) over which the amaxes are MAX-reduced, so every rank has
-        the same scales and delayed histories, without counting that group's averaged
-        gradients in ``clip_grad_norm`` (as naming it in ``process_group`` would).
+        (the other order is refused at the first forward). The fp8 mode's amaxes are
+        reduced over ``fp8_amax_group`` only, which must then be given.
+      fp8_amax_group: the fp8 mode only, per-tensor recipes: the groups over which the
+        amaxes are MAX-reduced (a hand-split tensor-parallel group, so a split tensor
+        gets one scale; the data-parallel group, so every rank has the same scales and
+        delayed histories), or ``()`` for none. Required with ``process_group``, which
+        may hold pipeline stages (different layers: never reduce amaxes over them).
       device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``, to assert where
         the model runs; None = its params'.
       is_norm: ``(qualified_name, module) -> bool`` choosing the normalisation layers
