@@ -81,6 +81,8 @@ QUANTIZE_RULE = """\
         if not (amax_used > 0):                  # no history yet (the first step)
             amax_used = amax of this step's tensor
         scale = rule above with amax_used, fallback = the previous scale
+                (1.0 if it is not a finite scale > 0: a JAX state zeroed because
+                its matmul's output did not reach the loss)
         history = [amax of this step's tensor] + history[:-1]   # only if finite
 
     A per-tensor amax (tensorwise, delayed) is MAX-reduced over the data-parallel group

@@ -384,6 +384,51 @@ def test_convert_to_fp8_leaves_loop_bodies_alone():
     np.testing.assert_allclose(jax.jit(g)(p, x), jax.jit(by_hand)(p, x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_convert_to_fp8_converts_inside_jax_checkpoint(recipe):
+    # Matmuls under jax.checkpoint / nn.remat were silently left out (sites ['w2']).
+    # They are rewritten inside and checkpointed again, the delayed state going in as
+    # an input: gradients and new state are those of the same model without remat.
+    p = {"w1": mlp_params()["w2"][:16, :16], "w2": mlp_params()["w3"][:, :16].T}
+    x = jnp.asarray(data(10, 16, 8)[0])
+
+    def plain(p, x):
+        return jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+    def remat(p, x):
+        return jnp.sum(jax.checkpoint(lambda x: jnp.tanh(x @ p["w1"]))(x) @ p["w2"])
+
+    a, b = mpfunc.convert_to_fp8(remat, recipe), mpfunc.convert_to_fp8(plain, recipe)
+    assert a.sites(p, x) == b.sites(p, x) == ["w1", "w2"]
+    if recipe == "delayed":
+        s = b.init(p, x)
+        got = jax.jit(jax.grad(lambda p, s: a(p, x, fp8_state=s), argnums=(0, 1)))(p, s)
+        want = jax.jit(jax.grad(lambda p, s: b(p, x, fp8_state=s), argnums=(0, 1)))(p, s)
+        assert float(got[1]["w1"].input.amax_history[0]) == float(jnp.abs(x).max())
+    else:
+        got, want = jax.jit(jax.grad(a))(p, x), jax.jit(jax.grad(b))(p, x)
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(u, v)
+    kw = {"fp8_state": b.init(p, x)} if recipe == "delayed" else {}
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: a(p, x, **kw)))(p))
+    assert "remat" in jaxpr or "checkpoint" in jaxpr  # still rematerialised
+
+
+def test_the_fp8_mode_converts_a_linen_remat_block():
+    from flax import linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.remat(nn.Dense)(16)(x)
+            return nn.Dense(4)(jnp.tanh(x))
+
+    x = jnp.ones((4, 8))
+    v = Net().init(jax.random.key(0), x)
+    f = mpfunc.convert_to_fp8(Net().apply, "delayed")
+    assert f.sites(v, x) == ["params/CheckpointDense_0/kernel", "params/Dense_0/kernel"]
+
+
 def test_convert_to_fp8_delayed_state_and_errors():
     p, x = mlp_params(), jnp.asarray(data(10, 32, 8)[0])
     f = mpfunc.convert_to_fp8(mlp, mpfunc.Fp8Recipe("delayed", amax_history_len=2))
@@ -408,6 +453,32 @@ def test_convert_to_fp8_delayed_state_and_errors():
         mpfunc.convert_to_fp8(mlp, compute_dtype=jnp.float32)
     with pytest.raises(TypeError, match="`fn` must be callable"):
         mpfunc.convert_to_fp8(3)
+
+
+def test_a_matmul_whose_output_misses_the_loss_restarts_like_a_fresh_state():
+    # Its state's "gradient" is JAX's zero: history and scale come back 0 (pinned: no
+    # way around it from inside). The zero scale was then the fallback of a step whose
+    # amax is 0 (an all-zero input): 0 * (1 / 0) = NaN. Now it falls back to 1.0, as a
+    # fresh state does.
+    p = {"w": jnp.full((8, 4), 0.1), "aux": jnp.full((8, 4), 0.1)}
+    x = jnp.full((4, 8), 3.0)
+    unused = mpfunc.convert_to_fp8(
+        lambda p, x: jnp.sum(x @ p["w"]) + 0 * jnp.sum(jax.lax.stop_gradient(x @ p["aux"])),
+        "delayed")
+    state = unused.init(p, x)
+    state = jax.grad(lambda s: unused(p, x, fp8_state=s))(state)
+    assert float(state["aux"].input.scale) == 0.0
+    assert not np.asarray(state["aux"].input.amax_history).any()
+    assert float(state["w"].input.amax_history[0]) == 3.0
+    used = mpfunc.convert_to_fp8(lambda p, x: jnp.sum(x @ p["aux"]), "delayed")
+    zeros = jnp.zeros_like(x)
+    out, new = jax.value_and_grad(lambda s: used(p, zeros, fp8_state=s))({"aux": state["aux"]})
+    assert float(out) == 0.0 and float(new["aux"].input.scale) == 1.0
+    out, new = jax.value_and_grad(lambda s: used(p, x, fp8_state=s))({"aux": state["aux"]})
+    fresh = jax.value_and_grad(lambda s: used(p, x, fp8_state=s))(used.init(p, x))
+    assert float(out) == float(fresh[0])  # a non-zero input: as from a fresh state
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(fresh[1])):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_convert_to_fp8_under_autocast_rules():

@@ -263,6 +263,16 @@ def test_convert_to_fp8_keeps_the_layers_hooks_and_identity():
     assert type(layer) is torch.nn.Linear and layer(torch.ones(1, 4)).shape == (1, 4)
 
 
+def test_a_zero_previous_scale_falls_back_to_one():
+    # The rule shared with JAX, where a state whose matmul missed the loss comes back
+    # zeroed: an all-zero input then fell back to scale 0, and 0 * (1 / 0) was NaN.
+    layer = mpfunc_torch.Fp8Linear(8, 4, recipe="delayed", gemm="emulate")
+    with torch.no_grad():
+        layer.fp8_scale_input.zero_()
+    out = layer(torch.zeros(2, 8))
+    assert torch.isfinite(out).all() and float(layer.fp8_scale_input) == 1.0
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="`model` must be a torch.nn.Module"):
         mpfunc_torch.convert_to_fp8(3)

@@ -75,7 +75,9 @@ def _delayed(x, meta: Fp8Meta, name: str, recipe: Fp8Recipe, axis_name):
     hist = meta.amax_history
     used = jnp.max(hist) if recipe.amax_reduction == "max" else hist[0]
     used = jnp.where(jnp.isfinite(used) & (used > 0), used, amax)  # no history yet
-    scale = scale_from_amax(used, FP8_MAX[name], recipe.margin, recipe.power_of_2_scales, meta.scale)
+    prev_ok = jnp.isfinite(meta.scale) & (meta.scale > 0)  # not a state JAX zeroed
+    fallback = jnp.where(prev_ok, meta.scale, jnp.ones((), _F32))
+    scale = scale_from_amax(used, FP8_MAX[name], recipe.margin, recipe.power_of_2_scales, fallback)
     rolled = jnp.concatenate([amax[None], hist[:-1]])
     new_hist = jnp.where(jnp.isfinite(amax), rolled, hist)
     return scale, Fp8Meta(new_hist, scale)

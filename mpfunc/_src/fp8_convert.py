@@ -23,7 +23,7 @@ from _mpfunc_common.fp8 import resolve_recipe
 from mpfunc._src.autocast import AutocastLists, _Rules
 from mpfunc._src.fp8 import Fp8DotState, fp8_dot, fp8_dot_state
 from mpfunc._src.fp8_quantize import AxisName
-from mpfunc._src.rewrite import INLINE, Literal, Rewriter
+from mpfunc._src.rewrite import INLINE, Jaxpr, Literal, Rewriter
 
 __all__ = ["Fp8Function", "convert_to_fp8", "fp8_mode_apply"]
 
@@ -32,6 +32,8 @@ __all__ = ["Fp8Function", "convert_to_fp8", "fp8_mode_apply"]
 _LAYOUT = frozenset({"convert_element_type", "transpose", "reshape", "squeeze",
                      "expand_dims", "copy", "copy_p", "optimization_barrier", "pvary",
                      "pbroadcast"})
+# jax.checkpoint's primitive (its name moved between jax versions).
+_REMAT = frozenset({"remat2", "checkpoint", "remat"})
 
 
 class _Fp8Rewriter(_Rules):
@@ -64,6 +66,32 @@ class _Fp8Rewriter(_Rules):
         # Control flow and custom-derivative bodies see no parameters: their matmuls
         # stay as the rules have them (a parameter sliced in a loop is not a leaf).
         return [None] * n_in
+
+    def apply(self, eqn, invals, tags):
+        params = eqn.params
+        if eqn.primitive.name in _REMAT and isinstance(params.get("jaxpr"), Jaxpr):
+            return self._remat(eqn, invals, tags)
+        return super().apply(eqn, invals, tags)
+
+    def _remat(self, eqn, invals, tags):
+        """A ``jax.checkpoint`` / ``nn.remat`` region, rewritten inside and checkpointed
+        again: its params keep their tags, and the delayed state it uses goes in as
+        explicit inputs, so that its "gradient" (the new state) flows out."""
+        jaxpr, outer = eqn.params["jaxpr"], self.state
+        leaves, tree = jax.tree_util.tree_flatten(outer) if outer is not None else ([], None)
+        n = len(invals)
+
+        def body(*args):
+            if tree is not None:
+                self.state = jax.tree_util.tree_unflatten(tree, args[n:])
+            try:
+                return self.eval_jaxpr(jaxpr, (), args[:n], tags)
+            finally:
+                self.state = outer
+
+        run = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
+                             policy=eqn.params.get("policy"))
+        return run(*invals, *leaves)
 
     def rule(self, eqn, invals, tags):
         if eqn.primitive.name == "dot_general":

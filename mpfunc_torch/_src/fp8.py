@@ -70,8 +70,9 @@ def _delayed_scale(x: torch.Tensor, layer, role: str, recipe: Fp8Recipe, groups)
     amax = all_reduce_max(amax, groups)
     used = hist.max() if recipe.amax_reduction == "max" else hist[0]
     used = torch.where(torch.isfinite(used) & (used > 0), used, amax)  # no history yet
+    fallback = torch.where(torch.isfinite(prev) & (prev > 0), prev, torch.ones_like(prev))
     scale = scale_from_amax(used, FP8_MAX[recipe.dtype(role)], recipe.margin,
-                   recipe.power_of_2_scales, prev)
+                   recipe.power_of_2_scales, fallback)
     rolled = torch.cat([amax.reshape(1), hist[:-1]])
     hist.copy_(torch.where(torch.isfinite(amax), rolled, hist))
     prev.copy_(scale)
