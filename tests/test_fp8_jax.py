@@ -429,6 +429,26 @@ def test_the_fp8_mode_converts_a_linen_remat_block():
     assert f.sites(v, x) == ["params/CheckpointDense_0/kernel", "params/Dense_0/kernel"]
 
 
+def test_init_and_sites_take_static_arguments_and_run_outside_shard_map():
+    # flax's `train=False` was traced by `init`/`sites` (TracerBoolConversionError),
+    # though a call takes it; and a converter with `axis_name` could not `init` outside
+    # shard_map (unbound axis name), where the state is made.
+    from flax import linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool):
+            x = nn.Dropout(0.1, deterministic=not train)(nn.Dense(16)(x))
+            return nn.Dense(4)(x)
+
+    x = jnp.ones((4, 8))
+    v = Net().init(jax.random.key(0), x, train=False)
+    f = mpfunc.convert_to_fp8(Net().apply, "delayed", axis_name="data")
+    state = f.init(v, x, train=False)
+    assert sorted(state) == ["params/Dense_0/kernel", "params/Dense_1/kernel"]
+    assert f.sites(v, x, False) == sorted(state)
+
+
 def test_convert_to_fp8_delayed_state_and_errors():
     p, x = mlp_params(), jnp.asarray(data(10, 32, 8)[0])
     f = mpfunc.convert_to_fp8(mlp, mpfunc.Fp8Recipe("delayed", amax_history_len=2))

@@ -150,8 +150,8 @@ class Fp8Function:
         self.compute_dtype, self.output_cast = compute_dtype, output_cast
         functools.update_wrapper(self, fn)
 
-    def _run(self, params, args, kwargs, state):
-        rewriter = _Fp8Rewriter(self.recipe, self.axis_name, state, self.compute_dtype)
+    def _run(self, params, args, kwargs, state, axis_name=None):
+        rewriter = _Fp8Rewriter(self.recipe, axis_name, state, self.compute_dtype)
 
         def in_tag(path, leaf):  # ((params, *args), kwargs): a leaf of params, by its path
             del leaf
@@ -174,19 +174,28 @@ class Fp8Function:
         if fp8_state is not None and not isinstance(fp8_state, dict):
             raise TypeError(f"`fp8_state` must be the dict `.init` returns, got "
                             f"{type(fp8_state).__name__}.")
-        out = self._run(params, args, kwargs, fp8_state)[0]
+        out = self._run(params, args, kwargs, fp8_state, self.axis_name)[0]
         return out if self.output_cast is None else self.output_cast(out)
 
     def sites(self, params, *args, **kwargs) -> list[str]:
-        """The converted matmuls, named by the path of their parameter (traced only)."""
-        box = []
+        """The converted matmuls, named by the path of their parameter (traced only).
 
-        def probe(p, *a, **k):
+        Arguments that are not arrays (flax's ``train=False``) stay static, as in a call;
+        no amax is reduced, so it runs outside ``shard_map`` too."""
+        box = []
+        flat, treedef = jax.tree_util.tree_flatten((params, args, kwargs))
+        dynamic = [i for i, x in enumerate(flat) if isinstance(x, jax.Array | np.ndarray)]
+
+        def probe(*dyn):
+            full = list(flat)
+            for i, x in zip(dynamic, dyn):
+                full[i] = x
+            p, a, k = jax.tree_util.tree_unflatten(treedef, full)
             out, interp = self._run(p, a, k, None)
             box.append(interp.sites)
             return out
 
-        jax.eval_shape(probe, params, *args, **kwargs)
+        jax.eval_shape(probe, *[flat[i] for i in dynamic])
         return list(box[0])
 
     def init(self, params, *args, **kwargs) -> dict[str, Fp8DotState]:
