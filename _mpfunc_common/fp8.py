@@ -224,6 +224,19 @@ RECIPES: dict[str, Fp8Recipe] = {
 }
 
 
+def check_block(block: Any, name: str = "block") -> tuple[int | None, int | None] | None:
+    """``block`` as None or a ``(rows, cols)`` pair of ints >= 1 or None, or an error
+    naming it (shared by `quantize_fp8` / `dequantize_fp8` on both sides)."""
+    if block is None:
+        return None
+    if not isinstance(block, tuple | list) or len(block) != 2 or not all(
+            b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1)
+            for b in block):
+        raise ValueError(f"`{name}` must be None or (rows, cols), each an int >= 1 or None "
+                         f"(the whole dim), got {block!r}.")
+    return tuple(block)
+
+
 def scale_shape(shape: tuple[int, ...], block) -> tuple[int, ...]:
     """Shape of the scales of an array of ``shape`` quantised in ``block`` tiles.
 

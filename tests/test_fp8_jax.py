@@ -473,6 +473,10 @@ def test_convert_to_fp8_delayed_state_and_errors():
         mpfunc.convert_to_fp8(mlp, compute_dtype=jnp.float32)
     with pytest.raises(TypeError, match="`fn` must be callable"):
         mpfunc.convert_to_fp8(3)
+    with pytest.raises(TypeError, match="`axis_name` must be None, a mesh axis name"):
+        mpfunc.convert_to_fp8(mlp, axis_name=3)  # accepted before
+    with pytest.raises(TypeError, match="`out_dtype` must be a dtype .* got 'foo'"):
+        mpfunc.fp8_dot(x, p["w1"], out_dtype="foo")
 
 
 def test_a_matmul_whose_output_misses_the_loss_restarts_like_a_fresh_state():

@@ -206,3 +206,14 @@ def test_bad_arguments():
         mpfunc_torch.quantize_fp8(torch.ones(4, 8), block=(1, None), scale=torch.ones(()))
     with pytest.raises(ValueError, match="`axis_name` applies to per-tensor scales"):
         mpfunc.quantize_fp8(x, block=(1, None), axis_name="data")
+    # Blocks: ZeroDivisionError / IndexError before; the same ValueError on both sides.
+    for block in ((0, 4), (1,), (2, -1), (True, 4), "rows"):
+        with pytest.raises(ValueError, match="`block` must be None or \\(rows, cols\\)"):
+            mpfunc.quantize_fp8(x, block=block)
+        with pytest.raises(ValueError, match="`block` must be None or \\(rows, cols\\)"):
+            mpfunc_torch.quantize_fp8(torch.ones(4, 8), block=block)
+    # dequantize_fp8 of something that is not fp8 (it used to return x * 1/scale)
+    with pytest.raises(TypeError, match="`q` must be an fp8 array .* got float32"):
+        mpfunc.dequantize_fp8(x, jnp.ones(()))
+    with pytest.raises(TypeError, match="`q` must be an fp8 tensor .* got torch.float32"):
+        mpfunc_torch.dequantize_fp8(torch.ones(4, 8), torch.ones(()))

@@ -268,3 +268,5 @@ def test_activation_checkpointing_trains_bit_for_bit(mode, cfg):
 def test_checkpoint_context_fn_refuses_what_is_not_a_model():
     with pytest.raises(TypeError, match="`model` must be a model from convert_to_amp"):
         mpfunc_torch.checkpoint_context_fn(lambda x: x)
+    with pytest.raises(TypeError, match="got an unconverted Linear"):  # it returned a no-op
+        mpfunc_torch.checkpoint_context_fn(torch.nn.Linear(2, 2))

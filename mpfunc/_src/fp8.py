@@ -220,7 +220,11 @@ def fp8_dot(
     if axis_name is not None and recipe.scaling in ("rowwise", "blockwise"):
         raise ValueError(f"`axis_name` applies to per-tensor scales (tensorwise, delayed); "
                          f"{recipe.scaling} scales are local to the rows they scale.")
-    out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
+    try:
+        out_dtype = np.dtype(x.dtype if out_dtype is None else out_dtype)
+    except TypeError:
+        raise TypeError(f"`out_dtype` must be a dtype (e.g. jnp.bfloat16), got "
+                        f"{out_dtype!r}.") from None
     if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
     x, w = _same_varying_axes(x, w, recipe, axis_name)

@@ -21,6 +21,7 @@ import numpy as np
 
 from _mpfunc_common.fp8 import resolve_recipe
 from mpfunc._src.autocast import AutocastLists, _Rules
+from mpfunc._src.distributed import check_axis_name
 from mpfunc._src.fp8 import Fp8DotState, fp8_dot, fp8_dot_state
 from mpfunc._src.fp8_quantize import AxisName
 from mpfunc._src.rewrite import INLINE, Jaxpr, Literal, Rewriter
@@ -250,6 +251,7 @@ def convert_to_fp8(
         if compute_dtype not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
             raise ValueError(f"`compute_dtype` must be None, bfloat16 or float16, got "
                              f"{compute_dtype.name}.")
+    axis_name = check_axis_name(axis_name)
     if axis_name is not None and recipe.scaling in ("rowwise", "blockwise"):
         raise ValueError(f"`axis_name` applies to per-tensor scales (tensorwise, delayed); "
                          f"{recipe.scaling} scales are local to the rows they scale.")

@@ -13,7 +13,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from _mpfunc_common.fp8 import FLOAT32_MIN_NORMAL, FP8_MAX, QUANTIZE_RULE, scale_shape
+from _mpfunc_common.fp8 import (
+    FLOAT32_MIN_NORMAL,
+    FP8_MAX,
+    QUANTIZE_RULE,
+    check_block,
+    scale_shape,
+)
 from mpfunc._src.distributed import _varying_axes
 
 __all__ = ["AxisName", "block_amax", "dequantize_fp8", "pmax_over", "quantize_fp8",
@@ -162,6 +168,7 @@ def quantize_fp8(
       (dtype(float8_e4m3fn), 112.0, [1.0, -2.0, 4.0])
     """
     name = _fp8_name(dtype)
+    block = check_block(block)
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise TypeError(f"`x` must be a floating array, got {jnp.result_type(x)}.")
     if block is not None and axis_name is not None:
@@ -184,6 +191,10 @@ quantize_fp8.__doc__ = quantize_fp8.__doc__.replace("{rule}", QUANTIZE_RULE.stri
 def dequantize_fp8(q: jax.Array, scale: jax.Array, block=None, dtype: Any = _F32) -> jax.Array:
     """``float32(q) * (1 / scale)`` per block (the reciprocal rounded to float32), cast to
     ``dtype``; the inverse of `quantize_fp8` up to fp8 rounding."""
+    if jnp.result_type(q) not in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        raise TypeError("`q` must be an fp8 array (float8_e4m3fn or float8_e5m2, from "
+                        f"quantize_fp8), got {jnp.result_type(q)}.")
+    block = check_block(block)
     inv = jnp.asarray(1, _F32) / scale
     v = q.astype(_F32)
     if block is None:

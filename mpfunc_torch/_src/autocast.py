@@ -113,13 +113,18 @@ def checkpoint_context_fn(model: torch.nn.Module) -> Callable[[], tuple[Any, Any
     """
     from mpfunc_torch._src.model import AmpModel, _AmpForward, _uncompiled
 
-    module = model
+    module, wrapped = model, False
     while isinstance(module, AmpModel | torch.nn.parallel.DistributedDataParallel):
+        wrapped = wrapped or isinstance(module, AmpModel)
         module = module.module
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"`model` must be a model from convert_to_amp, got "
                         f"{type(model).__name__}.")
     forward = vars(_uncompiled(module)).get("forward")
+    if not wrapped and not isinstance(forward, _AmpForward):
+        raise TypeError("`model` must be a model from convert_to_amp (the model it returned, "
+                        f"or the module it converted), got an unconverted "
+                        f"{type(module).__name__}.")
     o1 = (isinstance(forward, _AmpForward) and forward.fp32_functions
           and forward.autocast_dtype is not None)
     return functools.partial(_checkpoint_contexts, forward.device_type if o1 else None)

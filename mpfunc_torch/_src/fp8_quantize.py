@@ -12,7 +12,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from _mpfunc_common.fp8 import FLOAT32_MIN_NORMAL, FP8_MAX, QUANTIZE_RULE, scale_shape
+from _mpfunc_common.fp8 import (
+    FLOAT32_MIN_NORMAL,
+    FP8_MAX,
+    QUANTIZE_RULE,
+    check_block,
+    scale_shape,
+)
 from mpfunc_torch._src.distributed import normalize_groups
 
 __all__ = ["all_reduce_max", "block_amax", "dequantize_fp8", "quantize_fp8", "quantize_with",
@@ -154,6 +160,7 @@ def quantize_fp8(
       (torch.float8_e4m3fn, 112.0, [1.0, -2.0, 4.0])
     """
     name = _fp8_name(dtype)
+    block = check_block(block)
     if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
         raise TypeError(f"`x` must be a floating tensor, got {getattr(x, 'dtype', type(x))}.")
     groups = normalize_groups(process_group)
@@ -179,6 +186,10 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block=None,
                dtype: torch.dtype = _F32) -> torch.Tensor:
     """``float32(q) * (1 / scale)`` per block (the reciprocal rounded to float32), cast to
     ``dtype``; the inverse of `quantize_fp8` up to fp8 rounding."""
+    if not (isinstance(q, torch.Tensor) and q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)):
+        raise TypeError("`q` must be an fp8 tensor (float8_e4m3fn or float8_e5m2, from "
+                        f"quantize_fp8), got {getattr(q, 'dtype', type(q).__name__)}.")
+    block = check_block(block)
     inv = torch.reciprocal(scale.to(_F32))
     v = q.to(_F32)
     if block is None:
