@@ -648,11 +648,18 @@ class TestSharding:
         assert np.asarray(f(w, x, jnp.int32(-1))).all()
         assert not np.asarray(f(w, x, jnp.int32(1))).any()
 
-    def test_an_axis_missing_from_axis_name_is_a_trace_time_error(self):
+    @pytest.mark.parametrize("axis_name, match", [
         # Grads that vary over "model" with axis_name="data" only: the "model" shards
-        # would decide alone (one steps, one skips). Say which axis is missing, when
-        # tracing, instead of jax's own vma error deep inside the inner update.
-        opt = mpfunc.dynamic_scale(adam(1e-2), axis_name="data")
+        # would decide alone (one steps, one skips).
+        ("data", r"varying over \{model\}.*axis_name=\('data', 'model'\)"),
+        # The likelier mistake, no axis_name at all: no check ran before.
+        (None, r"varying over mesh axes \('model',\) .*no `axis_name` was given.*"
+               r"axis_name=\('model',\)"),
+    ])
+    def test_an_axis_missing_from_axis_name_is_a_trace_time_error(self, axis_name, match):
+        # Say which axes are missing, when tracing, instead of jax's own vma error deep
+        # inside the inner update ("pow requires varying manual axes to match ...").
+        opt = mpfunc.dynamic_scale(adam(1e-2), axis_name=axis_name)
 
         def step(w, x):
             grads = jax.grad(lambda w: jax.lax.pmean(jnp.sum((x @ w) ** 2), "data"))(w)
@@ -661,24 +668,7 @@ class TestSharding:
 
         f = jax.jit(jax.shard_map(step, mesh=mesh_2d(), in_specs=(P(None, "model"), P("data")),
                                   out_specs=P()))
-        with pytest.raises(ValueError, match=r"varying over \{model\}.*"
-                                             r"axis_name=\('data', 'model'\)"):
-            f(jnp.ones((4, 8)), jnp.ones((8, 4)))
-
-    def test_no_axis_name_inside_shard_map_is_a_trace_time_error(self):
-        # The likelier mistake: no axis_name at all. No check ran, and jax failed deep in
-        # Adam ("pow requires varying manual axes to match ... open an issue").
-        opt = mpfunc.dynamic_scale(adam(1e-2))
-
-        def step(w, x):
-            grads = jax.grad(lambda w: jax.lax.pmean(jnp.sum((x @ w) ** 2), "data"))(w)
-            _, state = opt.update(grads, opt.init(w), w)
-            return state.loss_scale
-
-        f = jax.jit(jax.shard_map(step, mesh=mesh_2d(), in_specs=(P(None, "model"), P("data")),
-                                  out_specs=P()))
-        with pytest.raises(ValueError, match=r"varying over mesh axes \('model',\) .*no "
-                                             r"`axis_name` was given.*axis_name=\('model',\)"):
+        with pytest.raises(ValueError, match=match):
             f(jnp.ones((4, 8)), jnp.ones((8, 4)))
 
     def test_optax_apply_if_finite_decides_per_shard(self):
