@@ -101,6 +101,19 @@ def test_optax_clip_inside_shard_map_is_caught_by_varying_axes_typing():
 # --- the fix -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("check_vma", [True, False])
+def test_an_axis_left_out_of_axis_name_is_a_clear_error(check_vma):
+    # specs (or the typing) say w1 is split over "model", axis_name names only "data".
+    # With check_vma=False the "model" shards took their own norms and the replicated
+    # b2 diverged, silently; with check_vma=True it was shard_map's out_specs error.
+    specs = None if check_vma else SPECS
+    clip = mpfunc.clip_by_global_norm(1.0, axis_name="data", specs=specs)
+    with pytest.raises(ValueError, match=r"mesh axes \('model',\) that are not in "
+                                         r"`axis_name` \('data'\).*"
+                                         r"axis_name=\('data', 'model'\)"):
+        clip_in_shard_map(clip, check_vma)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
 def test_axis_aware_clip_equals_unsharded_clip(check_vma):
     grads, want = reference_clip(1.0)
     assert float(optax.tree.norm(grads)) > 10  # clipping is active

@@ -149,6 +149,14 @@ def sharded_sum(per_leaf: list, tree: Any, axis_name: AxisName, specs: Any,
             f"{axes!r} from one replicated across it. Pass specs=<the params' in_specs>, "
             "or use check_vma=True."
         )
+    if rest := set().union(*leaf_axes) - set(axes):
+        names = tuple(sorted(rest, key=str))
+        raise ValueError(
+            f"Leaves are sharded over (or vary over) mesh axes {names} that are not in "
+            f"`axis_name` ({axis_name!r}): each shard along them would take its own norm "
+            "and clip by its own factor. Add them if the leaves are split over them "
+            f"(tensor, pipeline stages): axis_name={tuple(axes) + names!r}; or reduce "
+            "the gradients over them first (jax.lax.pmean over a data-parallel axis).")
     # One psum per distinct set of axes: leaves sharded alike are summed locally first.
     groups: dict[tuple, jax.Array] = {}
     for s, la in zip(per_leaf, leaf_axes):
