@@ -328,6 +328,13 @@ def test_state_sharding_for_factored_state_and_bad_input():
         assert stat.ndim == 1 and stat.sharding.is_fully_replicated
     with pytest.raises(TypeError, match="`params` leaves must be jax Arrays"):
         mpfunc.state_sharding(opt, {"w": np.ones((16, 8), np.float32)})
+    # From PartitionSpecs alone the factored slots got the kernel's 2-D spec (and
+    # shard_map's out_specs then failed, "too long"): their shapes need the params'.
+    with pytest.raises(ValueError, match="state of another shape than its param .* pass "
+                                         "`params` as arrays"):
+        mpfunc.state_sharding(opt, {"w": P("data", None)})
+    specs = jax.tree.map(lambda s: s.spec, shardings)  # the way to shard_map's out_specs
+    assert specs.inner_state[0].v_row["w"] == P()
     with pytest.raises(TypeError, match="`params` leaves must be all of one kind"):
         mpfunc.state_sharding(opt, {"w": params["w"], "v": P()})
     with pytest.raises(TypeError, match="`optimizer` must be an optax GradientTransformation, "

@@ -45,7 +45,9 @@ def state_sharding(optimizer: optax.GradientTransformation, params: Any) -> Any:
 
     Given ``PartitionSpec`` leaves instead (a shard_map ``in_specs`` tree), it returns
     ``PartitionSpec`` leaves (``P()`` for non-parameter leaves): the state's ``in_specs``
-    / ``out_specs``.
+    / ``out_specs``. Without the params' shapes it cannot place state of another shape
+    in a param's slot (adafactor's factored statistics): that is a ``ValueError`` asking
+    for placed arrays (whose results' ``.spec`` then serve shard_map).
 
     Args:
       optimizer: any optax transformation, including mpfunc's loss-scale and
@@ -58,6 +60,7 @@ def state_sharding(optimizer: optax.GradientTransformation, params: Any) -> Any:
       ``Sharding`` objects (or ``PartitionSpec`` objects for ``PartitionSpec`` input).
 
     Raises:
+      ValueError: factored state with ``PartitionSpec`` / ``Sharding`` leaves (above).
       TypeError: ``optimizer`` is not an optax transformation; a ``params`` leaf is none
         of the accepted kinds, the leaves mix kinds, or
         a sharding is neither a ``NamedSharding`` nor a single-device one.
@@ -104,6 +107,16 @@ def state_sharding(optimizer: optax.GradientTransformation, params: Any) -> Any:
 
     def for_param(state_leaf, param):
         if kind != "array":
+            if getattr(state_leaf, "shape", None) != ():
+                # A params-shaped slot holding another shape (factored statistics): its
+                # real shape, and so its placement, needs the params' shapes.
+                raise ValueError(
+                    "`optimizer` keeps state of another shape than its param in a param's "
+                    "slot (e.g. adafactor's factored statistics), so its placement needs "
+                    "the params' shapes: pass `params` as arrays placed with their "
+                    "sharding (jax.device_put(p, NamedSharding(mesh, spec))), not as bare "
+                    "PartitionSpecs or Shardings (for shard_map's out_specs, take each "
+                    "result's .spec).")
             return param
         if getattr(state_leaf, "shape", None) != param.shape:
             return replicated  # a params-shaped slot holding another shape (factored)
