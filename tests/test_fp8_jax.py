@@ -477,6 +477,9 @@ def test_convert_to_fp8_delayed_state_and_errors():
         mpfunc.convert_to_fp8(mlp, axis_name=3)  # accepted before
     with pytest.raises(TypeError, match="`out_dtype` must be a dtype .* got 'foo'"):
         mpfunc.fp8_dot(x, p["w1"], out_dtype="foo")
+    with pytest.raises(ValueError, match="`axis_name` \\('data'\\) names mesh axes that are "
+                                         "not bound here"):
+        mpfunc.fp8_dot(x, p["w1"], axis_name="data")  # outside shard_map
 
 
 def test_a_matmul_whose_output_misses_the_loss_restarts_like_a_fresh_state():

@@ -671,6 +671,15 @@ class TestSharding:
         with pytest.raises(ValueError, match=match):
             f(jnp.ones((4, 8)), jnp.ones((8, 4)))
 
+    def test_axis_name_under_plain_jit_is_a_clear_error(self):
+        # Moving from the shard_map recipe to sharded jit, where no axis_name is needed:
+        # jax's NameError ("unbound axis name") named neither axis_name nor the fix.
+        opt = mpfunc.dynamic_scale(adam(1e-2), axis_name="data")
+        p = {"w": jnp.ones(3)}
+        with pytest.raises(ValueError, match="`axis_name` \\('data'\\) names mesh axes that "
+                                             "are not bound here.*leave axis_name out"):
+            jax.jit(opt.update)(p, opt.init(p), p)
+
     def test_optax_apply_if_finite_decides_per_shard(self):
         # The prior art this replaces: without a psum, replicas disagree.
         mesh = mesh_2d()

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["AxisName", "all_finite", "check_axis_name", "nonfinite_count", "finite_from_count"]
+__all__ = ["AxisName", "all_finite", "check_axis_name", "nonfinite_count", "finite_from_count",
+           "unbound_axis_error"]
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -177,6 +178,16 @@ def psum_over(count: jax.Array, axis_name: AxisName) -> jax.Array:
     except ValueError:
         # Typed as invariant over every axis: identical on all shards already.
         return count
+    except NameError as e:  # jax's "unbound axis name"
+        raise unbound_axis_error(axis_name, e) from None
+
+
+def unbound_axis_error(axis_name: AxisName, e: NameError) -> ValueError:
+    """The error for an ``axis_name`` used outside shard_map (jax's own names neither)."""
+    return ValueError(
+        f"`axis_name` ({axis_name!r}) names mesh axes that are not bound here: it is for "
+        "use inside jax.shard_map (or pmap). Under plain jit with sharded arrays the "
+        f"reductions are already global: leave axis_name out. ({e})")
 
 
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:

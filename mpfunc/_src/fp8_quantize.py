@@ -20,7 +20,7 @@ from _mpfunc_common.fp8 import (
     check_block,
     scale_shape,
 )
-from mpfunc._src.distributed import _varying_axes
+from mpfunc._src.distributed import _varying_axes, unbound_axis_error
 
 __all__ = ["AxisName", "block_amax", "dequantize_fp8", "pmax_over", "quantize_fp8",
            "quantize_with", "scale_from_amax"]
@@ -58,6 +58,8 @@ def pmax_over(x: jax.Array, axis_name: AxisName) -> jax.Array:
         return jax.lax.pmax(x, axes)
     except ValueError:  # typed invariant over every axis: the same on all shards already
         return x
+    except NameError as e:
+        raise unbound_axis_error(axis_name, e) from None
 
 
 def _tiled(x2d: jax.Array, block) -> tuple[jax.Array, tuple[int, int, int, int]]:
