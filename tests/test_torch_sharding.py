@@ -105,6 +105,26 @@ def test_clip_grad_norm_bad_max_norm():
         opt.clip_grad_norm(0.0)
 
 
+def test_group_arguments_say_what_is_wrong(gloo_world):
+    # A rank outside a group gets new_group's NON_GROUP_MEMBER (-100), which was reported
+    # as "must be a ProcessGroup ... got int: -100"; a module passed as params was
+    # torch's "not iterable"; an empty list was reported as None.
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    net = mlp()
+    with pytest.raises(ValueError, match="`process_group` holds a group this rank \\(0\\) "
+                                         "is not a member of"):
+        mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    mode="naive", process_group=[dist.group.WORLD, outside])
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    with pytest.raises(ValueError, match="not a member of"):
+        mpfunc_torch.mark_replicated(net.parameters(), outside)
+    with pytest.raises(TypeError, match="`params` must be tensors, got a LayerNorm module; "
+                                        "pass its .parameters\\(\\)"):
+        mpfunc_torch.mark_replicated(torch.nn.LayerNorm(4), dist.group.WORLD)
+    with pytest.raises(ValueError, match="non-empty sequence of them, got \\[\\]"):
+        mpfunc_torch.mark_replicated(net.parameters(), [])
+
+
 def test_fp8_amax_group_is_checked(gloo_world):
     group = dist.group.WORLD
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731

@@ -53,15 +53,13 @@ def mark_replicated(params: torch.Tensor | Iterable[torch.Tensor], process_group
       >>> # with torch.distributed initialised and `tp` the tensor-parallel group:
       >>> # mpfunc_torch.mark_replicated(norm.parameters(), tp)
     """
-    items = process_group if isinstance(process_group, list | tuple) else [process_group]
-    if process_group is not None and not all(
-            isinstance(g, torch.distributed.ProcessGroup) for g in items):
-        raise TypeError("`process_group` must be a torch.distributed.ProcessGroup or a "
-                        f"sequence of them, got {process_group!r}.")
     groups = normalize_groups(process_group)
     if not groups:
         raise ValueError("`process_group` must be a ProcessGroup or a non-empty sequence of "
-                         "them, got None.")
+                         f"them, got {process_group!r}.")
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(f"`params` must be tensors, got a {type(params).__name__} module; "
+                        "pass its .parameters().")
     items = [params] if isinstance(params, torch.Tensor) else list(params)
     for i, p in enumerate(items):
         if not isinstance(p, torch.Tensor):

@@ -24,6 +24,11 @@ def normalize_groups(process_group: Any, name: str = "process_group") -> tuple[A
     if groups and not torch.distributed.is_available():
         raise RuntimeError(f"`{name}` was given but torch.distributed is not available.")
     for g in groups:
+        if isinstance(g, int) and g == torch.distributed.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                f"`{name}` holds a group this rank ({torch.distributed.get_rank()}) is not a "
+                "member of (torch.distributed.new_group returns NON_GROUP_MEMBER on the "
+                "others): pass each rank the groups it belongs to.")
         if not isinstance(g, torch.distributed.ProcessGroup):
             raise TypeError(
                 f"`{name}` must be a torch.distributed.ProcessGroup or a sequence of "
