@@ -1029,6 +1029,13 @@ class TestValidation:
             with pytest.raises(TypeError, match="`axis_name` must be None, a mesh axis name"):
                 make()
 
+    def test_axis_name_with_a_repeated_axis_is_refused(self):
+        for make in (lambda: mpfunc.dynamic_scale(axis_name=("data", "data")),
+                     lambda: mpfunc.clip_by_global_norm(1.0, axis_name=["model", "model"]),
+                     lambda: mpfunc.convert_to_fp8(lambda p, x: x, axis_name=("d", "d"))):
+            with pytest.raises(ValueError, match="`axis_name` names an axis twice"):
+                make()
+
     @pytest.mark.parametrize("good", ["data", ("data", "model"), ["data", "model"], None])
     def test_axis_name_forms_accepted(self, good):
         mpfunc.dynamic_scale(axis_name=good)

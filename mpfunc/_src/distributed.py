@@ -41,12 +41,16 @@ def check_axis_name(axis_name: Any, name: str = "axis_name") -> AxisName:
 
     Raises:
       TypeError: naming ``name``, what was expected and what was found.
+      ValueError: a name repeated in the tuple.
     """
     if axis_name is None or (_is_name(axis_name) and not isinstance(axis_name, tuple)):
         return axis_name
     if isinstance(axis_name, tuple | list):
         bad = [a for a in axis_name if not _is_name(a)]
         if axis_name and not bad:
+            if len(set(axis_name)) != len(axis_name):  # a psum over it would fail, or
+                raise ValueError(                     # count the axis twice
+                    f"`{name}` names an axis twice: {axis_name!r}.")
             return tuple(axis_name)
     raise TypeError(
         f"`{name}` must be None, a mesh axis name (e.g. 'data') or a non-empty tuple of "
