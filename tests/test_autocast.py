@@ -250,7 +250,9 @@ def test_compiled_program_equals_hand_cast_version():
 @pytest.mark.parametrize("kwargs, err, match", [
     (dict(compute_dtype=jnp.float32), ValueError, "`compute_dtype` must be float16 or bfloat16"),
     # numpy alone reads "f16" as a 16-byte float and does not know "bf16"
-    (dict(compute_dtype="fp16"), ValueError, "or 'f16', 'bf16', 'half'\\), got 'fp16'"),
+    (dict(compute_dtype="fp16"), ValueError, "`compute_dtype`: unknown dtype 'fp16'. Valid "
+                                            "names: .*'bf16'"),
+    (dict(compute_dtype="f32"), ValueError, "or 'f16', 'bf16', 'half'\\), got 'f32'"),
     (dict(lists="dot_general"), TypeError, "`lists` must be an AutocastLists"),
 ])
 def test_bad_arguments(kwargs, err, match):

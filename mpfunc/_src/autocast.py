@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpfunc._src.policy import DTYPE_ALIASES
+from mpfunc._src.policy import _to_dtype
 from mpfunc._src.rewrite import (
     INLINE,
     Literal,
@@ -295,12 +295,9 @@ def autocast(
         return functools.partial(autocast, compute_dtype=compute_dtype, lists=lists)
     if not callable(fn):
         raise TypeError(f"`fn` must be callable, got {type(fn).__name__}.")
-    try:  # the policy strings' names too ("f16", "bf16", "half"); numpy reads "f16" as
-        # a 16-byte float
-        compute = np.dtype(DTYPE_ALIASES.get(compute_dtype, compute_dtype)
-                           if isinstance(compute_dtype, str) else compute_dtype)
-    except TypeError:
-        compute = None
+    # The policy strings' names too ("f16", "bf16", "half"); numpy reads "f16" as a
+    # 16-byte float.
+    compute = _to_dtype(compute_dtype, "compute_dtype")
     if compute not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
         raise ValueError("`compute_dtype` must be float16 or bfloat16 (or 'f16', 'bf16', "
                          f"'half'), got {compute_dtype!r}.")

@@ -19,7 +19,12 @@ from _mpfunc_common.scale_config import (
 )
 from mpfunc._src.distributed import AxisName, _is_float, all_finite, check_axis_name
 from mpfunc._src.exact_skip import cond_skip_update, neg_zeros_like, skip_update
-from mpfunc._src.scale_rule import check_inner_state, check_updates_fit, next_scale
+from mpfunc._src.scale_rule import (
+    check_inner_state,
+    check_updates_fit,
+    leaf_shapes,
+    next_scale,
+)
 from mpfunc._src.scale_state import LossScaleState, ScaledValueAndGrad, _unscale
 
 __all__ = [
@@ -63,10 +68,6 @@ def _cast_like(tree: Any, like: Any) -> Any:
         tree,
         like,
     )
-
-
-def _shapes(tree: Any) -> list:
-    return [jnp.shape(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _scale_transform(
@@ -151,7 +152,7 @@ def _scale_transform(
                 check_inner_state(inner, state, params if params is not None else grads)
                 check_updates_fit(grads, params)
                 raise
-            if _shapes(new_inner) != _shapes(state.inner_state):
+            if leaf_shapes(new_inner) != leaf_shapes(state.inner_state):
                 check_inner_state(inner, state, params if params is not None else grads)
         new_updates = _cast_like(new_updates, like)
 

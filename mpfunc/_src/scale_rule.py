@@ -17,6 +17,14 @@ from _mpfunc_common.scale_config import FLOAT32_MAX, ScaleConfig
 __all__ = ["check_inner_state", "next_scale"]
 
 
+def leaf_shapes(tree: Any) -> list:
+    return [jnp.shape(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _short(x: Any, n: int = 400) -> str:
+    return s if len(s := str(x)) < n else s[:n] + " ..."
+
+
 def check_inner_state(inner, state: Any, like: Any) -> None:
     """At trace time (free at run time): the inner state has the structure and shapes
     that ``inner.init`` gives, so a state from another optimizer fails clearly."""
@@ -26,9 +34,8 @@ def check_inner_state(inner, state: Any, like: Any) -> None:
         return                          # them on the host): nothing to compare with
     got = jax.tree_util.tree_structure(state.inner_state)
     want = jax.tree_util.tree_structure(expected)
-    shapes = lambda t: [jnp.shape(x) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
+    shapes, short = leaf_shapes, _short
     if got != want or shapes(state.inner_state) != shapes(expected):
-        short = lambda x: (s if len(s := str(x)) < 400 else s[:400] + " ...")  # noqa: E731
         raise ValueError(
             "`state.inner_state` does not match this transformation's inner optimizer: "
             f"expected {short(want)}, got {short(got)} (with leaf shapes "
@@ -43,13 +50,12 @@ def check_updates_fit(updates: Any, params: Any) -> None:
     than ``params`` are named as such (jax's own error is a broadcasting failure)."""
     if params is None:
         return
-    shapes = lambda t: [jnp.shape(x) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
     got, want = jax.tree_util.tree_structure(updates), jax.tree_util.tree_structure(params)
-    if got != want or shapes(updates) != shapes(params):
-        short = lambda x: (s if len(s := str(x)) < 300 else s[:300] + " ...")  # noqa: E731
+    if got != want or leaf_shapes(updates) != leaf_shapes(params):
         raise ValueError(
             "`updates` (the gradients) must have the structure and leaf shapes of `params`: "
-            f"got shapes {short(shapes(updates))}, params have {short(shapes(params))}.")
+            f"got shapes {_short(leaf_shapes(updates))}, params have "
+            f"{_short(leaf_shapes(params))}.")
 
 
 def next_scale(cfg: ScaleConfig, state: Any, finite: jax.Array):

@@ -263,19 +263,25 @@ def is_norm_module(name: str, module: nn.Module) -> bool:
     return any(_NORM_NAME.search(c.__name__) for c in type(module).__mro__)
 
 
+def _cast_walk(model: nn.Module, keep_norm_fp32: bool,
+               is_norm: Callable[[str, nn.Module], bool]):
+    """``(module, kept)`` for `cast_model`: kept norms (whose insides stay float32 and
+    are not visited) and the modules whose own params and buffers are cast."""
+    inside_norm: set[int] = set()
+    for name, module in model.named_modules():  # parents before children
+        if id(module) in inside_norm:
+            continue
+        kept = keep_norm_fp32 and is_norm(name, module)
+        if kept:
+            inside_norm.update(id(m) for m in module.modules())
+        yield module, kept
+
+
 def params_cast(model: nn.Module, keep_norm_fp32: bool,
                 is_norm: Callable[[str, nn.Module], bool] = is_norm_module) -> set[int]:
     """The ids of the params `cast_model` would cast (changing nothing)."""
-    out: set[int] = set()
-    inside_norm: set[int] = set()
-    for name, module in model.named_modules():
-        if id(module) in inside_norm:
-            continue
-        if keep_norm_fp32 and is_norm(name, module):
-            inside_norm.update(id(m) for m in module.modules())
-            continue
-        out.update(id(p) for p in module.parameters(recurse=False) if p.is_floating_point())
-    return out
+    return {id(p) for module, kept in _cast_walk(model, keep_norm_fp32, is_norm) if not kept
+            for p in module.parameters(recurse=False) if p.is_floating_point()}
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool,
@@ -284,14 +290,10 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_norm_fp32: bool,
     ``keep_norm_fp32``, every module ``is_norm`` selects stays float32 with everything
     inside it, computes in float32 and returns ``dtype``."""
     norms: list[nn.Module] = []
-    inside_norm: set[int] = set()
     with torch.no_grad():
-        for name, module in model.named_modules():  # parents before children
-            if id(module) in inside_norm:
-                continue
-            if keep_norm_fp32 and is_norm(name, module):
+        for module, kept in list(_cast_walk(model, keep_norm_fp32, is_norm)):
+            if kept:
                 norms.append(module)
-                inside_norm.update(id(m) for m in module.modules())
                 continue
             if any(is_dtensor(p) for p in module.parameters(recurse=False)):
                 cast_module_(module, dtype)  # FSDP2 / DTensor: the shards are cast too
