@@ -448,3 +448,145 @@ def test_random_combinations_skip_exactly(seed):
             if jnp.issubdtype(leaf.dtype, jnp.floating):
                 assert np.isfinite(np.asarray(leaf, np.float32)).all(), (form, i)
     assert taken, form  # not vacuous: some steps were taken
+
+
+# Issue 30: outside `jit` (and with the state closed over under `jit`/`pmap`) an inner
+# state's Python constants reach the jaxpr as Literals. The whole class: a literal that
+# stays, a literal that changes (a Python counter), an input passed through, one value
+# feeding two leaves, and a literal in the updates.
+def _odd_inner(kind):
+    def init(params):
+        return {"foo": 1, "count": 0, "arr": jnp.zeros((2,), jnp.float32)}
+
+    def update(g, state, params=None, **extra):
+        twice = g["w"] * 2.0
+        new = dict(state)
+        if kind == "literal_counter":
+            new["count"] = state["count"] + 1
+        if kind == "duplicated":
+            new["arr"], new["foo"] = twice, twice
+        if kind == "produced":
+            new["arr"] = state["arr"] + g["w"]
+        upd = {"w": -twice} if kind != "literal_update" else {"w": jnp.float32(0.5) + 0 * twice}
+        return upd, new
+
+    def init_dup(params):
+        return {**init(params), "foo": jnp.zeros((2,), jnp.float32)}
+
+    return optax.GradientTransformationExtraArgs(init_dup if kind == "duplicated" else init,
+                                                 update)
+
+
+ODD_KINDS = ["literal", "literal_counter", "passthrough", "duplicated", "literal_update",
+             "produced"]
+
+
+def _odd_tx(kind, form):
+    inner = optax.chain(optax.sgd(0.1), _odd_inner(kind))
+    if form == "wrapper":
+        return mpfunc.dynamic_scale(inner, init_scale=8.0, growth_interval=2)
+    return mpfunc.chain(mpfunc.dynamic_scale(init_scale=8.0, growth_interval=2),
+                        optax.sgd(0.1), _odd_inner(kind))
+
+
+def _run_odd(tx, how, n=5):
+    p = {"w": jnp.array([0.5, -0.0], jnp.float32)}
+    s = tx.init(p)
+    history = []
+    for step in range(n):
+        g = {"w": jnp.array([1.0, 2.0], jnp.float32) * (step + 1)}
+        if step in (1, 3):
+            g["w"] = g["w"].at[1].set(jnp.inf if step == 1 else jnp.nan)
+        if how == "eager":
+            u, s2 = tx.update(g, s, p)
+        elif how == "jit":
+            u, s2 = jax.jit(tx.update)(g, s, p)
+        elif how == "jit_closure":  # the state's constants stay Python values
+            u, s2 = jax.jit(lambda g, s=s, p=p: tx.update(g, s, p))(g)
+        else:  # pmap over one device, state closed over
+            out = jax.pmap(lambda g, s=s, p=p: tx.update(g, s, p))(
+                jax.tree.map(lambda x: x[None], g))
+            u, s2 = jax.tree.map(lambda x: x[0], out)
+        p2 = optax.apply_updates(p, u)
+        if step in (1, 3):  # skipped: params and every inner state value unchanged
+            assert not bool(s2.last_finite)
+            assert_bitwise(p2, p)
+            assert_bitwise(jax.tree.map(jnp.asarray, s2.inner_state),
+                           jax.tree.map(jnp.asarray, s.inner_state))
+        else:
+            assert bool(s2.last_finite)
+        history.append((p2, jax.tree.map(jnp.asarray, s2)))
+        p, s = p2, s2
+    return history
+
+
+@pytest.mark.parametrize("form", ["wrapper", "chain"])
+@pytest.mark.parametrize("kind", ODD_KINDS)
+def test_inner_state_constants_eager_jit_and_pmap_agree(kind, form):
+    runs = {how: _run_odd(_odd_tx(kind, form), how)
+            for how in ("eager", "jit", "jit_closure", "pmap")}
+    for how in ("jit", "jit_closure", "pmap"):
+        # The same skips and scales exactly; values to an ulp (XLA fuses a jitted step's
+        # arithmetic, eager runs op by op). The skips' exactness is asserted in the run.
+        la, ta = jax.tree.flatten(runs["eager"])
+        lb, tb = jax.tree.flatten(runs[how])
+        assert ta == tb, how
+        for a, b in zip(la, lb, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-7, err_msg=how)
+    final = runs["eager"][-1][1].inner_state
+    if kind == "literal_counter":  # three steps taken, two skipped: the counter says 3
+        assert int(jax.tree.leaves(final)[1]) == 3
+
+
+def test_issue_30_snippet_runs_eagerly():
+    def init_fn(params):
+        return {"foo": 1}
+
+    def update_fn(grads, state, params=None, **extra):
+        return grads, state
+
+    inner = optax.chain(optax.sgd(0.1), optax.GradientTransformationExtraArgs(init_fn, update_fn))
+    tx = mpfunc.dynamic_scale(inner)
+    p = {"w": jnp.ones(3)}
+    u, s = tx.update({"w": jnp.ones(3)}, tx.init(p), p)
+    np.testing.assert_allclose(np.asarray(u["w"]), -0.1 / 65536, rtol=1e-6)
+    assert int(s.inner_state[1]["foo"]) == 1
+
+
+# optax's own stateful transforms, eagerly: skips exact to the bit, taken steps equal to
+# the bare optimizer run eagerly (to an ulp: optax jits some helpers, which then fuse,
+# while the skip evaluates their body op by op).
+EAGER_INNERS = ["adam", "inject_hyperparams", "multisteps", "schedule_free", "muon",
+                "apply_if_finite", "masked", "adam_schedule", "noisy_sgd"]
+
+
+@pytest.mark.parametrize("form", ["wrapper", "chain"])
+@pytest.mark.parametrize("name", EAGER_INNERS)
+def test_optax_stateful_inners_run_eagerly(name, form):
+    def make():
+        inner = INNERS[name]()
+        if form == "wrapper":
+            return mpfunc.dynamic_scale(inner, init_scale=64.0, growth_interval=3)
+        return mpfunc.chain(mpfunc.dynamic_scale(init_scale=64.0, growth_interval=3), inner)
+
+    tx = make()
+    # The bare inner, eagerly, on the steps that are taken: the skipped ones never reach it.
+    inner = INNERS[name]()
+    ref = (PARAMS, inner.init(PARAMS))
+    params, state = PARAMS, tx.init(PARAMS)
+    for step in range(7):
+        g = grads_for(step, PARAMS)
+        before = (params, state.inner_state)
+        scale = state.loss_scale
+        u, state = tx.update(jax.tree.map(lambda x, scale=scale: x * scale, g), state, params)
+        params = optax.apply_updates(params, u)
+        if step in BAD:
+            assert not bool(state.last_finite)
+            assert_bitwise((params, state.inner_state), before)
+            continue
+        assert bool(state.last_finite)
+        ru, rs = inner.update(g, ref[1], ref[0])
+        ref = (optax.apply_updates(ref[0], ru), rs)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref[0]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert int(state.skipped_steps) == 3

@@ -51,6 +51,11 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
+def _is_number(x: Any) -> bool:
+    """A Python number: a constant an optax state may hold (e.g. ``{"count": 0}``)."""
+    return isinstance(x, bool | int | float | complex)
+
+
 def neg_zeros_like(x: Any) -> Any:
     """``-0.0`` of ``x``'s shape and dtype for floating arrays, ``0`` for other arrays.
 
@@ -64,7 +69,11 @@ def neg_zeros_like(x: Any) -> Any:
 
 
 def _select(finite: jax.Array, new: Any, old: Any) -> Any:
-    if not _is_array(old):
+    if _is_number(old):
+        # Selected as an array, as ``jit`` would give it back: a Python value cannot be
+        # chosen by a device flag without reading that flag on the host.
+        old = jnp.asarray(old)
+    elif not _is_array(old):
         return new
     new = jnp.asarray(new)
     if new.dtype != old.dtype:
@@ -114,7 +123,9 @@ def _eval(jaxpr, consts, args, finite, targets: dict[int, Any]) -> list:
         return [_select(finite, o, inner[k]) if k in inner else o for k, o in enumerate(outs)]
 
     outs = eval_eqns(jaxpr, consts, args, apply)
-    return [o if k not in targets or jaxpr.outvars[k] in redirect
+    # An output may be a Literal (a constant the state holds), which is not hashable.
+    return [o if k not in targets or (not isinstance(jaxpr.outvars[k], Literal)
+                                      and jaxpr.outvars[k] in redirect)
             else _select(finite, o, targets[k]) for k, o in enumerate(outs)]
 
 
