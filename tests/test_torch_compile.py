@@ -218,3 +218,88 @@ def test_o1_activation_checkpointing_under_compile_takes_the_context_fn():
     x = torch.randn(2, 4)
     assert model(x).dtype == torch.float32
     assert torch.compile(model, backend="aot_eager")(x).dtype == torch.float16
+
+
+# Issue 30: the whole train step under torch.compile, as users write it. dynamo drops
+# attribute writes on torch.optim.Optimizer subclasses (its OptimizerVariable), so the
+# optimizer's step state machine must run outside the traced frame.
+FAULTS = [1.0, 1.0, float("inf"), 1.0, float("nan"), 1.0]
+
+
+def _whole_step_run(mode, cfg, backend, fused=False, kind=None):
+    net = make_model()
+    kind = kind or ("sgd" if is_o3(cfg) else "adam")
+    opt = make_opt(net.parameters(), kind, fused=fused, eps=1e-4 if is_o3(cfg) else 1e-8)
+    model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(),
+                                                   mode=mode, **cfg)
+
+    def train_step(x, y, fault):
+        opt.zero_grad()
+        loss = crit(model(x), y) * fault  # an inf/NaN loss: every gradient overflows
+        opt.backward(loss)
+        return opt.step()
+
+    if backend is not None:
+        train_step = torch.compile(train_step, backend=backend)
+    stepped, scales = [], []
+    for (x, y), fault in zip(batches(len(FAULTS), batch=16), FAULTS, strict=True):
+        stepped.append(bool(train_step(x, y, torch.tensor(fault))))
+        scales.append(float(opt.loss_scale))
+    return stepped, scales, [p.detach().clone() for p in net.parameters()], opt
+
+
+@pytest.mark.filterwarnings(  # the fp8 mode's autograd.Function under dynamo (see above)
+    "ignore:.*should not be instantiated:DeprecationWarning")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("mode, cfg", ALL_MODES, ids=ids)
+def test_a_compiled_whole_train_step_matches_eager(mode, cfg, backend):
+    stepped, scales, params, _ = _whole_step_run(mode, cfg, None)
+    c_stepped, c_scales, c_params, opt = _whole_step_run(mode, cfg, backend)
+    assert stepped == [f == 1.0 for f in FAULTS]  # the faults were skips, eagerly
+    assert c_stepped == stepped
+    assert c_scales == scales
+    for a, b in zip(c_params, params, strict=True):  # bit for bit
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
+                           b.view(torch.uint8) if b.dtype != torch.bool else b)
+    assert int(opt.skipped_steps) == 2
+
+
+@pytest.mark.filterwarnings(  # torch's own import path when inductor loads (torch 2.13)
+    "ignore:.*torch.jit.script_method. is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("mode, cfg", [("torch", {}), ("naive", {"initial_scale": 2.0**16})],
+                         ids=["torch", "naive"])
+def test_a_compiled_whole_train_step_with_inductor(mode, cfg):
+    # Inductor generates C++ kernels for the forward and backward: the same skips and
+    # scales exactly, the params to float rounding of the fused kernels (with SGD, which
+    # does not turn a rounding difference in a near-zero gradient into a full step).
+    stepped, scales, params, _ = _whole_step_run(mode, cfg, None, kind="sgd")
+    c_stepped, c_scales, c_params, _ = _whole_step_run(mode, cfg, "inductor", kind="sgd")
+    assert c_stepped == stepped == [f == 1.0 for f in FAULTS]
+    assert c_scales == scales
+    for a, b in zip(c_params, params, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+@pytest.mark.parametrize("mode, cfg", [m for m in ALL_MODES if not is_o3(m[1])],
+                         ids=[i for i, m in zip(ids, ALL_MODES) if not is_o3(m[1])])
+def test_a_compiled_whole_train_step_with_a_fused_optimizer(mode, cfg):
+    # Fused Adam: in torch mode its kernel unscales and skips (found_inf on the device).
+    stepped, scales, params, _ = _whole_step_run(mode, cfg, None, fused=True)
+    c_stepped, c_scales, c_params, _ = _whole_step_run(mode, cfg, "aot_eager", fused=True)
+    assert c_stepped == stepped == [f == 1.0 for f in FAULTS]
+    assert c_scales == scales
+    for a, b in zip(c_params, params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_compiled_whole_step_still_refuses_step_before_backward():
+    _, opt, _ = convert(make_model(), "torch", {})
+
+    @torch.compile(backend="aot_eager")
+    def bad_step():
+        opt.zero_grad()
+        return opt.step()
+
+    with pytest.raises(RuntimeError, match="before backward"):
+        bad_step()

@@ -42,6 +42,11 @@ __all__ = ["AmpOptimizer"]
 
 _READY, _BACKWARD, _UNSCALED = "ready", "backward", "unscaled"
 _profile_hook_step = torch.optim.Optimizer.profile_hook_step
+# The step state machine runs outside dynamo: dynamo drops attribute writes on
+# torch.optim.Optimizer subclasses (its OptimizerVariable), so a compiled train step
+# would see a backward that never happened. Each call is one graph break; the model's
+# forward and backward stay compiled, and the step is the same foreach/fused kernels.
+_eager = torch.compiler.disable
 
 
 class AmpOptimizer(WrappedOptimizer):
@@ -148,6 +153,7 @@ class AmpOptimizer(WrappedOptimizer):
         self._sgd_first = self._sgd_late = fused.is_fused_sgd_with_momentum(self.optimizer)
 
     # -- the torch optimizer interface (the rest is WrappedOptimizer's) --------------------
+    @_eager
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._pairs:
             raise RuntimeError("add_param_group is not supported with master weights; "
@@ -190,6 +196,7 @@ class AmpOptimizer(WrappedOptimizer):
             out["num_zeros_in_grad"] = int(z) if as_python else z
         return out
 
+    @_eager
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
         """``loss`` in float32 times the current scale.
 
@@ -222,6 +229,7 @@ class AmpOptimizer(WrappedOptimizer):
             return loss
         return loss.float() * scaler.scale
 
+    @_eager
     def backward(self, loss: torch.Tensor, loss_id: int = 0, **kwargs) -> None:
         """Scales ``loss`` and back-propagates (``kwargs`` go to ``Tensor.backward``).
 
@@ -262,6 +270,7 @@ class AmpOptimizer(WrappedOptimizer):
         return RuntimeError(f"{call} called before backward(): call optimizer.backward(loss) "
                             "(or optimizer.scale_loss(loss).backward()) first.")
 
+    @_eager
     def unscale_(self) -> None:
         """Divides the gradients the optimizer owns by the scale, and checks them.
 
@@ -303,6 +312,7 @@ class AmpOptimizer(WrappedOptimizer):
             self._found_inf_per_loss[0].copy_(found)
         self._stage = _UNSCALED
 
+    @_eager
     def backward_done(self) -> None:
         """Says that the scaled backward of this step ran outside this optimizer.
 
@@ -318,6 +328,7 @@ class AmpOptimizer(WrappedOptimizer):
         if self._stage == _READY:
             self._stage = _BACKWARD
 
+    @_eager
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Unscales (if not yet done) and clips the gradients' global norm.
 
@@ -339,6 +350,7 @@ class AmpOptimizer(WrappedOptimizer):
         clip_grads_with_norm_(self._owned, float(max_norm), total)
         return total
 
+    @_eager
     @_profile_hook_step
     def step(self, closure=None) -> torch.Tensor:
         """Takes the optimizer step unless a gradient is inf/NaN; updates the loss scale.
@@ -371,6 +383,7 @@ class AmpOptimizer(WrappedOptimizer):
         self._stage, self._last = _READY, "step"
         return stepped
 
+    @_eager
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears model and master gradients and starts a new accumulation."""
         self._pending = None
@@ -382,6 +395,7 @@ class AmpOptimizer(WrappedOptimizer):
             f.zero_()
 
     # -- checkpoints -------------------------------------------------------------------
+    @_eager
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs, loadable with ``weights_only=True``.
 
@@ -400,6 +414,7 @@ class AmpOptimizer(WrappedOptimizer):
 
         return self._state_dict_with_hooks(save)
 
+    @_eager
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores `state_dict`, all or nothing; also writes the masters into the model.
 
