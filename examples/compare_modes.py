@@ -11,27 +11,44 @@ Speed is measured after training, in rounds that time a few more steps of every 
 to back (round-robin), so a busy spell on a shared machine slows all runs of a round
 alike: the table shows the median over rounds and the min-max of the per-round ratios.
 
+Each JAX run's train step is compiled once, ahead of time, with its params, state and
+batches already on the device; that one executable trains, is timed and gives the
+memory figure (evaluation compiles once more). The table's last lines say how often each
+compiled. On a GPU, float32 is strict float32 in both frameworks (JAX
+``default_matmul_precision="highest"``, torch TF32 off) and a ``tf32`` run of each adds
+a second ratio column against TF32.
+
     python examples/compare_modes.py --quick            # < 2 minutes on 2 CPU cores
-    python examples/compare_modes.py --device cuda --steps 2000 --batch 64 --width 256
+    python examples/compare_modes.py --device cuda --layers 12 --width 768 --heads 12 \
+        --context 512 --batch 8 --steps 200 --json out/compare_modes.json
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
-import numpy as np
+# Before jax starts: by default it takes 75% of a GPU's memory at its first use, leaving
+# torch (in this same process) too little, and every torch run's peak memory figure
+# would be measured beside that reservation. Allocate on demand instead.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_report import compile_summary, parity, plot, table, to_json  # noqa: E402
 from data import VOCAB, load_corpus, split, windows  # noqa: E402
 
 # mode name -> (mode, config); the same names on both sides.
 MODES = {
     "fp32": ("torch", {"enabled": False}),
+    "tf32": ("torch", {"enabled": False}),  # float32 with TF32 matmuls (GPU only)
     "torch": ("torch", {}),
     "apex-O1": ("apex", {"opt_level": "O1", "verbosity": 0}),
     "apex-O2": ("apex", {"opt_level": "O2", "verbosity": 0}),
@@ -141,7 +158,51 @@ def jax_apply(cfg):
 def bar(total, desc, quiet):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, leave=False, disable=quiet, ncols=80)
+    # No bars into a log file: they are escape sequences, not progress, there.
+    return tqdm(total=total, desc=desc, leave=False, ncols=80,
+                disable=quiet or not sys.stderr.isatty())
+
+
+class Watchdog:
+    """Says where a run stopped making progress: if no `beat` comes for ``timeout``
+    seconds, it prints what the last beat said and every thread's Python stack (through
+    ``faulthandler``, which works while C++ holds the GIL). 0 turns it off."""
+
+    def __init__(self, timeout: float):
+        self.timeout, self.where, self._timer = timeout, "start", None
+
+    def beat(self, where: str) -> None:
+        if not self.timeout:
+            return
+        self.where = where
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(self.timeout, self._report)
+        self._timer.daemon = True
+        self._timer.start()
+        faulthandler.dump_traceback_later(self.timeout + 1, exit=False)
+
+    def _report(self) -> None:
+        print(f"\ncompare_modes.py: no progress for {self.timeout:g} s, in {self.where}; "
+              "the Python stacks follow.", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.timeout:
+            faulthandler.cancel_dump_traceback_later()
+
+
+WATCHDOG = Watchdog(0)
+
+
+def set_tf32(on: bool) -> None:
+    """torch's float32 matmul and convolution precision (no-op without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
 
 
 def run_torch(name, cfg, data, evals):
@@ -152,8 +213,12 @@ def run_torch(name, cfg, data, evals):
 
     mode, config = MODES[name]
     dev = torch.device("cuda" if cfg.device == "cuda" else "cpu")
+    tf32 = name == "tf32"
+    set_tf32(tf32)
     # Earlier runs stay alive for the timing rounds: count only what this run adds.
     base_mem = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    data = [(torch.from_numpy(x).long().to(dev), torch.from_numpy(y).long().to(dev))
+            for x, y in data]
     net = torch_model(cfg).to(dev)
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr, fused=True)
     model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(),
@@ -162,8 +227,6 @@ def run_torch(name, cfg, data, evals):
         torch.cuda.reset_peak_memory_stats()
 
     def step(x, y):
-        x = torch.from_numpy(x).long().to(dev)
-        y = torch.from_numpy(y).long().to(dev)
         opt.zero_grad()
         loss = crit(model(x).flatten(0, 1), y.flatten())
         opt.backward(loss)
@@ -172,10 +235,12 @@ def run_torch(name, cfg, data, evals):
 
     losses, scales = [], []
     with bar(cfg.steps, f"torch {name}", cfg.quiet) as pb:
-        for x, y in data:
+        for i, (x, y) in enumerate(data):
+            WATCHDOG.beat(f"torch {name}, training step {i}")
             losses.append(step(x, y).detach())
             scales.append(opt.loss_scale.detach().clone())
             pb.update()
+    WATCHDOG.beat(f"torch {name}, evaluation")
     with torch.no_grad():
         ev = [crit(model(torch.from_numpy(x).long().to(dev)).flatten(0, 1),
                    torch.from_numpy(y).long().to(dev).flatten()).item() for x, y in evals]
@@ -191,6 +256,7 @@ def run_torch(name, cfg, data, evals):
     metrics = opt.scale_metrics(as_python=True)
 
     def timed(n, start):
+        set_tf32(tf32)  # the runs are interleaved: each sets its own precision
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -209,7 +275,27 @@ def run_torch(name, cfg, data, evals):
     }, timed
 
 
-def run_jax(name, cfg, data, evals, init_params):
+class CompileCounter:
+    """Backend (XLA) compilations per jitted function name, from jax.monitoring."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        import jax
+
+        self.counts: dict[str, int] = {}
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, duration, **kwargs):
+        if event == self.EVENT:
+            name = kwargs.get("fun_name", "")
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def of(self, fn_name: str) -> int:
+        return self.counts.get(f"jit({fn_name})", 0)
+
+
+def run_jax(name, cfg, data, evals, init_params, compiles):
     import jax
     import jax.numpy as jnp
     import optax
@@ -219,36 +305,53 @@ def run_jax(name, cfg, data, evals, init_params):
     mode, config = MODES[name]
     amp = mpfunc.convert_to_amp(jax_apply(cfg), optax.adam(cfg.lr), mode=mode, **config)
     device = jax.devices("gpu")[0] if cfg.device == "cuda" else jax.devices("cpu")[0]
+    # Everything the step takes is on the device (committed) before it is compiled, so
+    # the step that trains and the one that is timed are the one compiled here.
     params = jax.device_put(amp.cast_params(jax.tree.map(jnp.asarray, init_params)), device)
-    state = amp.optimizer.init(params)
+    state = jax.device_put(amp.optimizer.init(params), device)
+    data = jax.device_put(data, device)
 
     def loss_fn(p, x, y):
         logits = amp.apply_fn(p, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    @jax.jit
     def step(params, state, x, y):
         grads, loss = jax.grad(lambda p: (mpfunc.scale_loss(loss_fn(p, x, y), state),
                                           loss_fn(p, x, y)), has_aux=True)(params)
         updates, state = amp.optimizer.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss, mpfunc.loss_scale(state)
 
+    step_name, eval_name = f"train_step_{name}", f"eval_loss_{name}"
+    step.__name__ = step.__qualname__ = step_name
+    loss_fn.__name__ = loss_fn.__qualname__ = eval_name
+    # fp32 is strict float32 (as torch's default, TF32 off); tf32 is JAX's GPU default
+    # made explicit. The half modes' matmuls are half whatever this says. On CPU both
+    # float32 runs are plain float32.
+    precision = {"fp32": "highest", "tf32": "tensorfloat32"}.get(name)
+    WATCHDOG.beat(f"jax {name}, compiling the train step")
+    t0 = time.perf_counter()
+    with jax.numpy_dtype_promotion("standard"), jax.default_matmul_precision(precision):
+        step_c = jax.jit(step).lower(params, state, *data[0]).compile()
+        eval_c = jax.jit(loss_fn).lower(params, *jax.device_put(evals[0], device)).compile()
+    compile_s = time.perf_counter() - t0
+
     losses, scales = [], []
-    with jax.numpy_dtype_promotion("standard"), bar(cfg.steps, f"jax   {name}", cfg.quiet) as pb:
-        for x, y in data:
-            params, state, loss, scale = step(params, state, x, y)
+    with bar(cfg.steps, f"jax   {name}", cfg.quiet) as pb:
+        for i, (x, y) in enumerate(data):
+            WATCHDOG.beat(f"jax {name}, training step {i}")
+            params, state, loss, scale = step_c(params, state, x, y)
             losses.append(loss)
             scales.append(scale)
             pb.update()
+        WATCHDOG.beat(f"jax {name}, waiting for the last training step")
         jax.block_until_ready(params)
-        ev = [float(jax.jit(loss_fn)(params, x, y)) for x, y in evals]
+    WATCHDOG.beat(f"jax {name}, evaluation")
+    ev = [float(eval_c(params, *jax.device_put(b, device))) for b in evals]
     if cfg.device == "cuda":
-        # XLA's peak for one compiled step (arguments, temporaries, outputs): the device's
+        # XLA's peak for the compiled step (arguments, temporaries, outputs): the device's
         # own peak_bytes_in_use only ever grows over the process, so it would carry the
         # largest earlier run into every later one.
-        with jax.numpy_dtype_promotion("standard"):
-            compiled = step.lower(params, state, *data[0]).compile()
-        mem, mem_kind = compiled.memory_analysis().peak_memory_in_bytes, "peak"
+        mem, mem_kind = step_c.memory_analysis().peak_memory_in_bytes, "peak"
     else:
         mem = sum(x.nbytes for x in jax.tree.leaves((params, state)) if hasattr(x, "nbytes"))
         mem += sum(x.nbytes for x in jax.tree.leaves(params) if hasattr(x, "nbytes"))  # grads
@@ -259,18 +362,19 @@ def run_jax(name, cfg, data, evals, init_params):
         "losses": np.asarray(jax.device_get(losses), np.float32),
         "scales": np.asarray(jax.device_get(scales), np.float32),
         "eval": float(np.mean(ev)), "skipped": int(m["skipped_steps"]),
-        "scale": float(m["loss_scale"]),
+        "scale": float(m["loss_scale"]), "compile_s": compile_s,
+        # Filled in at the end, after the timing rounds have run this step again.
+        "compiles": lambda: {"step": compiles.of(step_name), "eval": compiles.of(eval_name)},
     }
     live = [params, state]
 
     def timed(n, start):
-        with jax.numpy_dtype_promotion("standard"):
-            jax.block_until_ready(live)
-            t0 = time.perf_counter()
-            for i in range(start, start + n):
-                live[0], live[1], _, _ = step(live[0], live[1], *data[i % len(data)])
-            jax.block_until_ready(live)
-            return time.perf_counter() - t0
+        jax.block_until_ready(live)
+        t0 = time.perf_counter()
+        for i in range(start, start + n):
+            live[0], live[1], _, _ = step_c(live[0], live[1], *data[i % len(data)])
+        jax.block_until_ready(live)
+        return time.perf_counter() - t0
 
     return result, timed
 
@@ -292,79 +396,6 @@ def time_interleaved(timers, cfg):
                 pb.update()
             start += cfg.window
     return rates
-
-
-# ---------------------------------------------------------------------------- reports
-def table(results, cfg):
-    """The main table. Speeds are medians over the interleaved timing rounds; the speed
-    ratio is the median of the per-round ratios (both runs timed in the same round), with
-    its min-max over the rounds in brackets."""
-    base = {r["framework"]: r for r in results if r["mode"] == "fp32"}
-    kind = results[0]["mem_kind"]
-    head = (f"| framework | mode | {'peak' if kind == 'peak' else 'state after a step'} MiB "
-            "| steps/s | samples/s | train loss | eval loss | skipped | loss scale "
-            "| speed vs fp32 (min-max) | memory vs fp32 |")
-    lines = [head, "|" + " --- |" * 11]
-    for r in results:
-        b = base.get(r["framework"])
-        steps_s = float(np.median(r["rates"]))
-        if b:
-            ratios = np.asarray(r["rates"]) / np.asarray(b["rates"])
-            speed = f"{np.median(ratios):.2f}x ({ratios.min():.2f}-{ratios.max():.2f})"
-        else:
-            speed = "-"
-        memr = f"{r['mem'] / b['mem']:.2f}x" if b else "-"
-        lines.append(
-            f"| {r['framework']} | {r['mode']} | {r['mem'] / 2**20:.1f} | {steps_s:.1f} "
-            f"| {steps_s * cfg.batch:.0f} | {np.mean(r['losses'][-10:]):.4f} "
-            f"| {r['eval']:.4f} | {r['skipped']} | {r['scale']:g} | {speed} | {memr} |")
-    return "\n".join(lines)
-
-
-def parity(results):
-    by = {(r["framework"], r["mode"]): r for r in results}
-    lines = ["| mode | same loss-scale trajectory | same skipped steps | max rel. loss diff |",
-             "| --- | --- | --- | --- |"]
-    for mode in dict.fromkeys(r["mode"] for r in results):
-        j, t = by.get(("jax", mode)), by.get(("torch", mode))
-        if not (j and t):
-            continue
-        same_scale = bool(np.array_equal(j["scales"].view(np.uint32), t["scales"].view(np.uint32)))
-        skip_j = np.flatnonzero(np.diff(np.concatenate([[0], j["scales"]])) < 0)
-        skip_t = np.flatnonzero(np.diff(np.concatenate([[0], t["scales"]])) < 0)
-        rel = np.max(np.abs(j["losses"] - t["losses"]) / np.abs(t["losses"]))
-        lines.append(f"| {mode} | {'yes' if same_scale else 'NO'} | "
-                     f"{'yes' if np.array_equal(skip_j, skip_t) else 'NO'} | {rel:.2e} |")
-    return "\n".join(lines)
-
-
-def plot(results, path):
-    """Loss curves and loss-scale trajectories: one colour per mode (the same in both
-    panels and frameworks), solid lines for JAX and dashed for torch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = list(dict.fromkeys(r["mode"] for r in results))
-    colour = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(modes)}
-    style = {"jax": "-", "torch": "--"}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for r in results:
-        kw = dict(color=colour[r["mode"]], linestyle=style[r["framework"]],
-                  label=f"{r['framework']} {r['mode']}")
-        a.plot(r["losses"], lw=1, **kw)
-        if r["mode"] != "fp32":
-            b.plot(r["scales"], lw=1.2, **kw)
-    a.set(title="training loss (modes that agree draw over each other)", xlabel="step",
-          ylabel="cross-entropy (nats)")
-    b.set(title="loss scale (skipped steps back it off)", xlabel="step",
-          ylabel="loss scale (log scale)", yscale="log")
-    a.legend(fontsize=7, ncol=2)
-    b.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def cuda_problems(frameworks):
@@ -396,7 +427,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a short run: < 2 min on 2 CPU cores")
     ap.add_argument("--framework", choices=["both", "jax", "torch"], default="both")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                    help=f"comma-separated, from {list(MODES)} (fp32 always runs)")
+                    help=f"comma-separated, from {list(MODES)} (fp32 always runs, and tf32 "
+                    "too on a GPU)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=64)
@@ -410,19 +442,30 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=20, help="steps per run per timing round")
     ap.add_argument("--device", choices=["cpu", "cuda", "gpu"], default="cpu")
     ap.add_argument("--out", default="out", help="folder for the PNG")
+    ap.add_argument("--json", default=None, help="also write every figure here")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--stall-timeout", type=float, default=None,
+                    help="seconds without progress before the stacks are printed "
+                    "(default 300 on a GPU, off on CPU; 0 turns it off)")
     cfg = ap.parse_args(argv)
+    if cfg.quick:  # smaller defaults; what is given explicitly still wins
+        ap.set_defaults(steps=60, batch=16, context=32, width=64, rounds=5, window=5)
+        cfg = ap.parse_args(argv)
     if cfg.device == "gpu":
         cfg.device = "cuda"
-    if cfg.quick:
-        cfg.steps, cfg.batch, cfg.context, cfg.width = 60, 16, 32, 64
-        cfg.rounds, cfg.window = 5, 5
-    modes = ["fp32"] + [m for m in cfg.modes.split(",") if m and m != "fp32"]
-    unknown = [m for m in modes if m not in MODES]
+    modes = ["fp32"] + ["tf32"] * (cfg.device == "cuda") + [
+        m for m in cfg.modes.split(",") if m and m not in ("fp32", "tf32")]
+    unknown = [m for m in cfg.modes.split(",") if m and m not in MODES]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    if cfg.device == "cpu" and "tf32" in cfg.modes.split(","):
+        ap.error("mode 'tf32' needs --device cuda (a CPU has no TF32 matmuls)")
     if cfg.rounds < 1 or cfg.window < 1:
         ap.error(f"--rounds and --window must be >= 1, got {cfg.rounds} and {cfg.window}")
+    if cfg.stall_timeout is None:
+        cfg.stall_timeout = 300.0 if cfg.device == "cuda" else 0.0
+    if cfg.stall_timeout < 0:
+        ap.error(f"--stall-timeout must be >= 0, got {cfg.stall_timeout}")
     frameworks = ["jax", "torch"] if cfg.framework == "both" else [cfg.framework]
     if cfg.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -438,27 +481,41 @@ def main(argv=None):
     evals = [(s[:, :-1], s[:, 1:]) for s, _ in (next(ev_it) for _ in range(4))]
     print(f"data: {len(train):,} training / {len(held_out):,} held-out characters of Python "
           f"stdlib source; model: {cfg.layers}-layer transformer, width {cfg.width}, "
-          f"context {cfg.context}; {cfg.steps} steps of batch {cfg.batch} on {cfg.device}")
+          f"context {cfg.context}; {cfg.steps} steps of batch {cfg.batch} on {cfg.device}",
+          flush=True)
 
+    global WATCHDOG
+    WATCHDOG = Watchdog(cfg.stall_timeout)
+    compiles = CompileCounter() if "jax" in frameworks else None
     results, timers = [], {}
+    started = time.perf_counter()
     init_params = torch_to_jax_params(torch_model(cfg))  # the JAX runs start from torch's init
-    for name in modes:
-        for fw in frameworks:
-            if fw == "jax":
-                result, timed = run_jax(name, cfg, data, evals, init_params)
-            else:
-                result, timed = run_torch(name, cfg, data, evals)
-            results.append(result)
-            timers[fw, name] = timed
-    rates = time_interleaved(timers, cfg)
+    try:
+        for name in modes:
+            for fw in frameworks:
+                if fw == "jax":
+                    result, timed = run_jax(name, cfg, data, evals, init_params, compiles)
+                else:
+                    result, timed = run_torch(name, cfg, data, evals)
+                results.append(result)
+                timers[fw, name] = timed
+        WATCHDOG.beat("the interleaved timing rounds")
+        rates = time_interleaved(timers, cfg)
+    finally:
+        WATCHDOG.stop()
     for r in results:
         r["rates"] = rates[r["framework"], r["mode"]]
+        if r["framework"] == "jax":
+            r["compiles"] = r["compiles"]()
     results.sort(key=lambda r: (r["framework"], modes.index(r["mode"])))
     print()
     print(table(results, cfg))
     print(f"\nsteps/s: median of {cfg.rounds} timing rounds of {cfg.window} steps per run after "
           "training, the runs interleaved round-robin; speed vs fp32: median (min-max) of "
-          "the per-round ratios")
+          "the per-round ratios, \"unreliable\" where they spread wider than half the median")
+    if compiles is not None:
+        print("\nJAX compilations (each step compiled ahead of time, once):")
+        print(compile_summary(results))
     if cfg.framework == "both":
         print("\nCross-framework parity (same config, same data, same initial weights):")
         print(parity(results))
@@ -466,6 +523,14 @@ def main(argv=None):
     png = Path(cfg.out) / "compare_modes.png"
     plot(results, png)
     print(f"\nloss curves and loss-scale trajectories: {png}")
+    if cfg.json:
+        import json
+
+        extra = {"device": cfg.device, "wall_s": time.perf_counter() - started}
+        Path(cfg.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.json).write_text(json.dumps({"compare_modes": to_json(results, cfg, extra)},
+                                             indent=1, default=str))
+        print(f"figures: {cfg.json}")
     return results
 
 
