@@ -49,6 +49,8 @@ def main(argv=None):
     state = jax.jit(opt.init)(params)
     state_specs = jax.tree.map(lambda x: specs["w1"] if x.shape == (16, 32) else
                                specs["w2"] if x.shape == (32, 1) else P(), state)
+    # Placed as the step returns it, so the second step does not compile again.
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs))
 
     def gradients(params, x, y, poison, scale_state=None):
         def loss_fn(p):

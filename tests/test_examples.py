@@ -11,12 +11,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def recompiled(stderr):
+    """Functions of this project that jax traced again for new argument types (jax's
+    cache-miss explanations): each is a second compile of the same step."""
+    return sorted(set(re.findall(r"for (\S+) defined at (\S+)\n\s+all previously seen "
+                                 r"cache keys differ", stderr)))
+
+
 def run(script, *args, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
+               JAX_EXPLAIN_CACHE_MISSES="1")
     out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--quick", *args],
                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
+    # Every jitted step of an example compiles once: nothing of ours is traced again.
+    ours = [(f, where) for f, where in recompiled(out.stderr)
+            if where.startswith(str(ROOT)) and "site-packages" not in where]
+    assert not ours, ours
     return out.stdout
 
 
