@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
 
 
 def run_script(name, *args, timeout=300):
@@ -44,6 +45,9 @@ def test_jax_scale_cost(tmp_path):
     assert base < rows["mpfunc.dynamic_scale(adam)"]["peak_bytes"] <= base + 1.02 * grads
     assert rows["mpfunc.dynamic_scale(chain(clip_by_global_norm(1.0), adam))"][
         "peak_ratio"] <= 1.02
+    # One compile of each step in this process, used for memory_analysis and timing.
+    assert {row["compiles"] for row in rows.values()} == {1}
+    assert r["compile_problems"] == [] and r["skipped"] == {}
 
 
 def test_jax_loss_scale(tmp_path):
@@ -52,6 +56,10 @@ def test_jax_loss_scale(tmp_path):
                "--rounds", "1", "--iters", "1", "--json", str(out))
     r = json.loads(out.read_text())
     assert "plain" in json.dumps(r) and "mpfunc" in json.dumps(r)
+    # Each variant's step compiled exactly once (warm-up and timing reuse it).
+    assert r["compiles"] == dict.fromkeys(
+        ["plain", "mpfunc", "mpfunc_select", "mpfunc_cond", "manual"], 1)
+    assert r["compile_problems"] == []
 
 
 def test_torch_memory(tmp_path):
@@ -93,7 +101,36 @@ def test_torch_modes(tmp_path):
 def test_jax_sharding():
     r = json.loads(run_script("jax_sharding.py", "--hidden", "64", "--layers", "1",
                               "--json").strip().splitlines()[-1])
-    assert r
+    assert [row["devices"] for row in r["rows"]] == [1, 2, 4, 8]
+    assert [row["step_compiles"] for row in r["rows"]] == [1, 1, 1, 1]
+
+
+def test_compile_counter_counts_a_recompile():
+    # What the benchmarks' counts rest on: a step called with an uncommitted input and
+    # then with a committed one is compiled twice, and the counter sees both.
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _jax_compiles import CompileCounter, named, step_name
+    finally:
+        sys.path.remove(str(BENCH))
+    counter = CompileCounter()
+    name = step_name("test: a step (recompiled)", 7)
+    assert name == "bench_step7_test_a_step_recompiled"
+    f = jax.jit(named(lambda a: a * 2, name))
+    x = jnp.ones(3)
+    f(x)
+    f(x)
+    assert counter.of(name) == 1
+    f(jax.device_put(x, jax.devices()[0]))
+    assert counter.of(name) == 2
+    compiled = jax.jit(named(lambda a: a * 2, name)).lower(x).compile()
+    compiled(x)
+    compiled(x)
+    assert counter.of(name) == 3
+    assert counter.of("bench_step7") == 0  # names are matched whole
 
 
 @pytest.mark.slow
@@ -118,3 +155,31 @@ def test_jax_scale_cost_transformer(tmp_path):
     for name in ("mode bf16", "mpfunc.dynamic_scale(adam), float16 compute"):
         assert depth["rows"][name]["peak_ratio"] <= 1.02
         assert depth["rows"][name]["step_ms"] > 0
+    assert {row["compiles"] for row in depth["rows"].values()} == {1}
+
+
+def test_jax_scale_cost_without_jmp_skips_its_row(tmp_path):
+    # The CUDA image has no jmp: its row is left out with a note, the rest still runs.
+    out = tmp_path / "r.json"
+    argv = [str(BENCH / "jax_scale_cost.py"), "--depths", "1", "--batch", "2",
+            "--compile-repeats", "1", "--rounds", "0", "--compile-in-process", "--json",
+            str(out), "--only", "jmp DynamicLossScale + select_tree", "mode naive"]
+    code = ("import runpy, sys; sys.modules['jmp'] = None; "
+            f"sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
+    env = dict(os.environ, PYTHONPATH=f"{BENCH}{os.pathsep}{ROOT}", OMP_NUM_THREADS="1")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["skipped"] == {"jmp DynamicLossScale + select_tree": "jmp is not installed"}
+    assert set(r["depths"][0]["rows"]) == {"mode naive", "mode naive, no loss scaling"}
+    assert "Not measured: jmp DynamicLossScale + select_tree" in proc.stdout
+
+
+def test_jax_scale_cost_names_an_unknown_variant():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(BENCH / "jax_scale_cost.py"), "--only", "nope"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "`only` names unknown variants ['nope']" in proc.stderr
