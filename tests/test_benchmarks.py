@@ -88,6 +88,8 @@ def test_unscale_bandwidth(tmp_path):
     r = json.loads(out.read_text())
     for fw in ("torch", "jax"):
         assert r[fw]["unscale_GBps"] > 0 and r[fw]["copy_GBps"] > 0
+        assert r[fw]["device_copy_GBps"] > 0 and r[fw]["fraction_of_device_copy"] > 0
+    assert r["jax"]["device_copy_is_real_copy"] is True  # not aliased away by XLA
 
 
 @pytest.mark.slow  # a child process per mode: about 30 s
