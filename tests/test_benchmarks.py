@@ -5,10 +5,13 @@ The numbers in BENCHMARKS.md come from these scripts (and a GPU session runs the
 its own process, as a user would run it; timings are not checked, byte counts are.
 """
 
+import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -98,6 +101,68 @@ def test_torch_modes(tmp_path):
     run_script("torch_modes.py", "--width", "32", "--depth", "1", "--batch", "8",
                "--rounds", "1", "--iters", "1", "--json", str(out), timeout=600)
     assert json.loads(out.read_text())
+
+
+def test_torch_modes_without_peaks(tmp_path):
+    out = tmp_path / "r.json"
+    run_script("torch_modes.py", "--width", "16", "--depth", "1", "--batch", "4",
+               "--rounds", "1", "--iters", "1", "--peak", "none", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert r["peak_method"] == "none" and r["peak_mib"] == {}
+    assert len(r["median_step_ms"]) == 9
+
+
+def test_torch_modes_in_process_peaks_free_each_variant_first(monkeypatch):
+    # The CUDA path (one process, peak stats reset per variant), run on CPU with a meter
+    # that checks, at each reset, that no model built before it is still alive.
+    sys.path.insert(0, str(BENCH))
+    try:
+        import torch_modes as tm
+    finally:
+        sys.path.remove(str(BENCH))
+    built = []
+
+    class Meter:
+        starts = 0
+
+        def start(self):
+            gc.collect()
+            alive = [name for name, ref in built if ref() is not None]
+            assert not alive, f"still alive when variant {self.starts} starts: {alive}"
+            self.starts += 1
+            return 1000
+
+        def peak(self):
+            return 1000 + 2**20 * self.starts
+
+    make_step = tm.make_step
+
+    def tracked(name, *args):
+        step = make_step(name, *args)
+        built.append((name, weakref.ref(step)))
+        return step
+
+    monkeypatch.setattr(tm, "make_step", tracked)
+    meter = Meter()
+    args = argparse.Namespace(device="cpu", width=16, depth=1, batch=4, rounds=1, iters=1,
+                              peak="in-process")
+    r = tm.measure(args, meter=meter)
+    assert meter.starts == len(tm.VARIANTS) == 9
+    assert len(built) == 18  # nine timed, then nine measured one at a time
+    assert r["peak_method"] == "in-process"
+    assert list(r["peak_mib"].values()) == [float(i) for i in range(1, 10)]
+    assert r["memory_vs_fp32"]["mpfunc bf16"] == 9.0
+    assert tm.peak_method("auto", "cuda") == "in-process"
+    assert tm.peak_method("auto", "cpu") == "child"
+
+
+def test_torch_modes_in_process_peaks_need_cuda():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(BENCH / "torch_modes.py"), "--peak",
+                           "in-process"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "--peak in-process needs --device cuda" in proc.stderr
 
 
 def test_jax_sharding():
