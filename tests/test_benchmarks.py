@@ -100,7 +100,9 @@ def test_torch_modes(tmp_path):
     out = tmp_path / "r.json"
     run_script("torch_modes.py", "--width", "32", "--depth", "1", "--batch", "8",
                "--rounds", "1", "--iters", "1", "--json", str(out), timeout=600)
-    assert json.loads(out.read_text())
+    r = json.loads(out.read_text())
+    assert r["peak_method"] == "child"  # CPU: RSS, a fresh process per variant
+    assert len(r["peak_mib"]) == len(r["memory_vs_fp32"]) == 9
 
 
 def test_torch_modes_without_peaks(tmp_path):
