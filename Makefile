@@ -2,6 +2,10 @@
 #   make demo   trains a small model in mixed precision and prints what it did
 #   make test   runs the default test suite (everything but the tests marked slow)
 #   make test-slow  runs the slow ones (multi-process, whole examples); CI runs both
+#   make gpu    every GPU check in one command (<= 8 min on one H100/H200; see
+#               BENCHMARKS.md). It uses $(PYTHON) with the checkout on PYTHONPATH, not the
+#               .venv, so that it runs on a GPU image as it is; GPU_ARGS=--cpu-dry-run
+#               tries it on CPU.
 # The environment in .venv is reused on later runs; it is rebuilt when pyproject.toml or
 # constraints.txt change.
 
@@ -11,7 +15,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.mpfunc-installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test test-slow lint venv clean
+.PHONY: demo test test-slow lint gpu venv clean
 
 venv: $(STAMP)
 
@@ -31,6 +35,9 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+gpu:
+	PYTHON=$(PYTHON) bash benchmarks/gpu.sh $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV)

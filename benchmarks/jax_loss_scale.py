@@ -12,7 +12,9 @@ same model, data and compute dtype:
    select between new and old params and optimizer state with ``jnp.where``.
 
 Runs are interleaved (A B C D A B C D ...) and the median of the per-round step times is
-reported, with ratios against ``plain``.
+reported, with ratios against ``plain``. Params, state and inputs are put on the device
+first (committed) and each step is compiled once, ahead of time; the JSON's ``compiles``
+counts every variant's step compiles (1 each).
 
     python benchmarks/jax_loss_scale.py [--batch 512] [--width 1024] [--rounds 15] [--json F]
 """
@@ -28,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from _jax_compiles import CompileCounter, check_once, named, step_name
 
 import mpfunc
 from _mpfunc_common.scale_config import resolve_scale_config
@@ -54,14 +57,12 @@ def make_steps(policy, lr=1e-3):
 
     adam = optax.adam(lr)
 
-    @jax.jit
     def plain(params, state, x, y):
         grads = jax.grad(loss_fn)(params, x, y)
         updates, state = adam.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
     def scaled_step(opt):
-        @jax.jit
         def step(params, state, x, y):
             grads = jax.grad(lambda p: mpfunc.scale_loss(loss_fn(p, x, y), state))(params)
             updates, state = opt.update(grads, state, params)
@@ -75,7 +76,6 @@ def make_steps(policy, lr=1e-3):
     ds_select = _scale_transform(adam, cfg=cfg, static_value=None, axis_name=None,
                                  skip_with="select")
 
-    @jax.jit
     def manual(params, state, x, y):
         opt_state, scale, tracker = state
         grads = jax.grad(lambda p: loss_fn(p, x, y) * scale)(params)
@@ -104,17 +104,23 @@ def make_steps(policy, lr=1e-3):
 
 
 def run(batch, width, depth, rounds, iters, compute):
+    counter = CompileCounter()
+    dev = jax.devices()[0]
     policy = mpfunc.get_policy(f"p=f32,c={compute},o=f32")
     sizes = [512] + [width] * depth + [10]
-    params = init_mlp(jax.random.key(0), sizes)
+    # Everything on the device first (committed), so that the step's outputs come back
+    # with the placement it was compiled for.
+    params = jax.device_put(init_mlp(jax.random.key(0), sizes), dev)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    x = jax.random.normal(jax.random.key(1), (batch, 512))
-    y = jax.random.randint(jax.random.key(2), (batch,), 0, 10)
-    steps, inits = make_steps(policy)
-    states = {}
-    for name in steps:
-        p, s = params, inits[name](params)
-        p, s = steps[name](p, s, x, y)  # compile + warm up
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (batch, 512)), dev)
+    y = jax.device_put(jax.random.randint(jax.random.key(2), (batch,), 0, 10), dev)
+    fns, inits = make_steps(policy)
+    steps, states, names = {}, {}, {}
+    for i, name in enumerate(fns):
+        names[name] = step_name(name, i)
+        p, s = params, jax.device_put(inits[name](params), dev)
+        steps[name] = jax.jit(named(fns[name], names[name])).lower(p, s, x, y).compile()
+        p, s = steps[name](p, s, x, y)  # warm up
         jax.block_until_ready((p, s))
         states[name] = (p, s)
     times = {name: [] for name in steps}
@@ -129,6 +135,7 @@ def run(batch, width, depth, rounds, iters, compute):
             states[name] = (p, s)
     med = {name: statistics.median(t) for name, t in times.items()}
     fastest = {name: min(t) for name, t in times.items()}
+    compiles = {name: counter.of(names[name]) for name in steps}
     return {
         "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
                   f"{platform.processor() or platform.machine()}",
@@ -143,6 +150,8 @@ def run(batch, width, depth, rounds, iters, compute):
         "min_step_ms": {k: v * 1e3 for k, v in fastest.items()},
         "min_ratio_vs_plain": {k: v / fastest["plain"] for k, v in fastest.items()},
         "ratio_mpfunc_vs_manual": med["mpfunc"] / med["manual"],
+        "compiles": compiles,  # XLA compiles of each variant's step: 1 each
+        "compile_problems": check_once(compiles),
     }
 
 
@@ -160,6 +169,8 @@ def to_markdown(r):
                      f"{r['min_step_ms'][k]:.3f} | {r['min_ratio_vs_plain'][k]:.3f}x |")
     lines.append("")
     lines.append(f"mpfunc / manual jmp-style loop: {r['ratio_mpfunc_vs_manual']:.3f}x")
+    if "compiles" in r:
+        lines.append("XLA compiles per step: " + (", ".join(r["compile_problems"]) or "1 each"))
     return "\n".join(lines)
 
 

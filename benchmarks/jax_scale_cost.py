@@ -21,11 +21,19 @@ it, at three depths of an MLP (width 256, two leaves per layer), all compiled as
 ``--model transformer`` swaps the MLP for a pre-LayerNorm transformer (width 256, 4
 heads, sequence 64, MLP 1024; ten leaves per layer), so the optimizer is a smaller share
 of the step than in the MLP.
+
+Params, state and inputs are put on the device first (committed), and the one executable
+compiled in this process for each variant (the last compile-time repeat with
+``--compile-in-process``, else a single compile) serves ``memory_analysis()``, the
+warm-up and the timing; each row's ``compiles`` counts that step's XLA compiles in this
+process (1, or ``--compile-repeats`` in process). The jmp row is skipped, with a note in
+the JSON, where jmp is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -37,6 +45,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from _jax_compiles import CompileCounter, named, step_name
 
 import mpfunc
 from _mpfunc_common.scale_config import resolve_scale_config
@@ -44,6 +53,7 @@ from mpfunc._src.loss_scale import _scale_transform
 
 WIDTH = 256
 LR = 1e-3
+JMP_VARIANT = "jmp DynamicLossScale + select_tree"
 
 
 def init_mlp(depth, width=WIDTH):
@@ -170,8 +180,8 @@ def flax_step(tx):
 
 
 def jmp_step(tx):
-    """jmp's documented pattern: scale, unscale, all_finite, select_tree, adjust."""
-    import jmp
+    """jmp's documented pattern: scale, unscale, all_finite, select_tree, adjust (jmp is
+    imported when the step is traced: `run` leaves the variant out where it is missing)."""
 
     # jmp's DynamicLossScale cannot be a `lower()` argument under jax 0.10 (its
     # unflatten validates leaves), so its two arrays travel and it is rebuilt inside.
@@ -179,6 +189,8 @@ def jmp_step(tx):
         return tx.init(params), (jnp.float32(2.0**15), jnp.int32(0))
 
     def step(params, state, x):
+        import jmp
+
         opt_state, (scale, counter) = state
         ls = jmp.DynamicLossScale(scale, counter)
         grads = jax.grad(lambda p: ls.scale(mse(apply_model(p, x))))(params)
@@ -218,7 +230,7 @@ def scaling_variants():
         "optax.apply_if_finite(adam)": ("plain optax.adam",
                                         *optax_step(optax.apply_if_finite(adam, 10)), ident),
         "flax DynamicScale + where": ("plain optax.adam", *flax_step(adam), ident),
-        "jmp DynamicLossScale + select_tree": ("plain optax.adam", *jmp_step(adam), ident),
+        JMP_VARIANT: ("plain optax.adam", *jmp_step(adam), ident),
         "mpfunc.dynamic_scale(adam)": ("plain optax.adam",
                                        *optax_step(mpfunc.dynamic_scale(adam), True), ident),
         "mpfunc.value_and_grad + dynamic_scale(adam)": (
@@ -268,12 +280,13 @@ def scaling_variants():
     return v
 
 
-def compile_time(step, params, state, x):
+def compile_time(step, params, state, x, name="step"):
     """(lower_s, xla_compile_s) of ``jax.jit(step, donate_argnums=(0, 1))``, and the
-    compiled step, with jax's caches cleared first."""
+    compiled step, with jax's caches cleared first; ``name`` is the jitted function's
+    name (what the compile counter sees)."""
     jax.clear_caches()  # or a repeat would hit jax's compilation cache
     t0 = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x)
+    lowered = jax.jit(named(step, name), donate_argnums=(0, 1)).lower(params, state, x)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     return t1 - t0, time.perf_counter() - t1, compiled
@@ -299,17 +312,23 @@ def _compile_in_subprocess(name, depth, batch):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(variants, depth, batch, compile_repeats, rounds, iters, isolated=True):
-    params32 = init_model(depth)
-    x = jax.random.normal(jax.random.key(1), MODELS[_model][2](batch))
-    rows, runs, inputs, best = {}, {}, {}, {}
-    for name, (_, init, _, cast) in variants.items():
+def measure(variants, depth, batch, compile_repeats, rounds, iters, isolated=True,
+            counter=None):
+    # Everything on the device first (committed): the donated step's outputs then come
+    # back with the placement it was compiled for, and the one executable serves all.
+    dev = jax.devices()[0]
+    params32 = jax.device_put(init_model(depth), dev)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), MODELS[_model][2](batch)), dev)
+    rows, runs, inputs, best, names = {}, {}, {}, {}, {}
+    for i, (name, (_, init, _, cast)) in enumerate(variants.items()):
         # Fresh buffers: donation deletes them, and a state may alias the params.
         fresh = lambda t: jax.tree.map(  # noqa: E731
-            lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a, t)
+            lambda a: jax.device_put(jnp.array(a, copy=True), dev)
+            if isinstance(a, jax.Array) else a, t)
         params = fresh(cast(params32))
         inputs[name] = (params, fresh(init(params)))
         best[name] = [float("inf"), float("inf")]
+        names[name] = step_name(f"{depth}_{name}", i)
     # Compile repeats interleaved over the variants (A B C ... A B C ...), so that a slow
     # spell of the machine does not land on one variant's repeats only. Isolated (the
     # default), each compile runs in a fresh process, as a training run's first step
@@ -322,11 +341,12 @@ def measure(variants, depth, batch, compile_repeats, rounds, iters, isolated=Tru
                 t = _compile_in_subprocess(name, depth, batch)
                 lower_s, xla_s = t["lower_s"], t["xla_compile_s"]
             else:
-                lower_s, xla_s, compiled[name] = compile_time(step, *inputs[name], x)
+                lower_s, xla_s, compiled[name] = compile_time(step, *inputs[name], x,
+                                                              names[name])
             best[name] = [min(best[name][0], lower_s), min(best[name][1], xla_s)]
     for name, (_, _, step, _) in variants.items():
         if name not in compiled:
-            compiled[name] = compile_time(step, *inputs[name], x)[2]
+            compiled[name] = compile_time(step, *inputs[name], x, names[name])[2]
     for name, (base, *_) in variants.items():
         m = compiled[name].memory_analysis()
         peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -361,6 +381,9 @@ def measure(variants, depth, batch, compile_repeats, rounds, iters, isolated=Tru
             if rounds:  # each round against its baseline's time in the same round
                 row["step_ratio_paired_median"] = statistics.median(
                     t / tb for t, tb in zip(runs[name][3], runs[row["baseline"]][3]))
+    if counter is not None:  # after the timing: a recompile there would count too
+        for name, row in rows.items():
+            row["compiles"] = counter.of(names[name])
     n_leaves = len(jax.tree_util.tree_leaves(params32))
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params32))
     return {"depth": depth, "leaves": n_leaves, "params": int(n_params), "rows": rows}
@@ -377,20 +400,43 @@ def cpu_name():
     return f"{name}, {os.cpu_count()} cores"
 
 
+def _importable(module):
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def run(depths, batch, compile_repeats, rounds, iters, only=None, isolated=True):
     variants = scaling_variants()
+    skipped = {}
+    if not _importable("jmp"):
+        skipped[JMP_VARIANT] = "jmp is not installed"
+        del variants[JMP_VARIANT]
     if only:
-        keep = set(only)
-        keep |= {variants[n][0] for n in only if variants[n][0]}
+        unknown = [n for n in only if n not in variants and n not in skipped]
+        if unknown:
+            raise ValueError(f"`only` names unknown variants {unknown}; choose from "
+                             f"{sorted(variants) + sorted(skipped)}")
+        keep = {n for n in only if n in variants}
+        keep |= {variants[n][0] for n in keep if variants[n][0]}
         variants = {k: v for k, v in variants.items() if k in keep}
+    counter = CompileCounter()
+    depth_rows = [measure(variants, d, batch, compile_repeats, rounds, iters, isolated,
+                          counter) for d in depths]
+    expected = 1 if isolated else compile_repeats
+    problems = [f"{d['depth']} layers, {name}: {row['compiles']} compiles (expected "
+                f"{expected})" for d in depth_rows for name, row in d["rows"].items()
+                if row["compiles"] != expected]
     return {
         "device": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
                   f"{cpu_name()}",
         "versions": {"jax": jax.__version__, "optax": optax.__version__},
         "model": _model, "batch": batch, "width": WIDTH, "compile_repeats": compile_repeats,
         "rounds": rounds, "iters": iters, "compile_isolated": isolated,
-        "depths": [measure(variants, d, batch, compile_repeats, rounds, iters, isolated)
-                   for d in depths],
+        "expected_compiles_per_step": expected, "compile_problems": problems,
+        "skipped": skipped, "depths": depth_rows,
     }
 
 
@@ -419,6 +465,12 @@ def to_markdown(r):
                 cells.append(f"{row['peak_ratio']:.3f}x / {row['compile_ratio']:.2f}x"
                              + (f" / {row['step_ratio']:.2f}x" if timed else ""))
         out.append(f"| {name} | {row0['baseline'] or '-'} | " + " | ".join(cells) + " |")
+    for name, why in r.get("skipped", {}).items():
+        out.append(f"\nNot measured: {name} ({why}).")
+    if "compile_problems" in r:
+        out.append("\nXLA compiles per step in this process: "
+                   + ("; ".join(r["compile_problems"])
+                      or f"{r['expected_compiles_per_step']} each, as expected"))
     return "\n".join(out)
 
 
@@ -441,8 +493,11 @@ def main(argv=None):
     if args.compile_one:  # the subprocess behind an isolated compile time
         print(json.dumps(compile_one(args.compile_one, args.depths[0], args.batch)))
         return None
-    r = run(args.depths, args.batch, args.compile_repeats, args.rounds, args.iters, args.only,
-            isolated=not args.compile_in_process)
+    try:
+        r = run(args.depths, args.batch, args.compile_repeats, args.rounds, args.iters,
+                args.only, isolated=not args.compile_in_process)
+    except ValueError as e:
+        ap.error(str(e))
     print(to_markdown(r))
     if args.json:
         with open(args.json, "w") as f:

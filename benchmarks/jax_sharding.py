@@ -10,6 +10,10 @@ On CPU the N devices are XLA's forced host devices
 (``--xla_force_host_platform_device_count=8``): 8 logical devices sharing one host's
 memory and cores. Sharding, collectives and per-device buffers are real; speed is not.
 
+Params, state and the batch are placed with their shardings first, and each N's step is
+compiled once, ahead of time; that executable runs the step and gives
+``memory_analysis()`` (each row's ``step_compiles`` counts its compiles: 1).
+
     python benchmarks/jax_sharding.py [--device cpu|gpu] [--hidden 2048] [--json]
 """
 
@@ -40,6 +44,10 @@ def measure(args):
 
     import mpfunc
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _jax_compiles import CompileCounter, named
+
+    counter = CompileCounter()
     h, layers = args.hidden, args.layers
     rng = np.random.default_rng(0)
     params0 = {f"l{i}": {"w": (rng.normal(size=(h, h)) / np.sqrt(h)).astype(np.float32),
@@ -72,7 +80,9 @@ def measure(args):
         state = jax.jit(amp.optimizer.init,
                         out_shardings=mpfunc.state_sharding(amp.optimizer, params))(params)
         x = jax.device_put(jnp.ones((64, h), jnp.float32), split_rows)
-        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
+        name = f"bench_step_fsdp{n}"
+        compiled = jax.jit(named(step, name), donate_argnums=(0, 1)).lower(
+            params, state, x).compile()
         params, state = compiled(params, state, x)  # one real step; shardings as compiled
         dev0 = mesh.devices.flat[0]
 
@@ -88,6 +98,7 @@ def measure(args):
             "opt_state_bytes_per_device": on_dev0(state),
             "step_argument_bytes_per_device": None if mem is None else int(mem.argument_size_in_bytes),
             "step_temp_bytes_per_device": None if mem is None else int(mem.temp_size_in_bytes),
+            "step_compiles": counter.of(name),
         })
     d = jax.devices()[0]
     return {"device": f"{d.platform}: {d.device_kind}", "jax": jax.__version__,

@@ -2,16 +2,27 @@
 
 Step time and throughput are measured in one process with the runs interleaved (every
 variant takes its turn each round; medians are reported), so machine noise hits all
-alike. Peak memory is measured per variant in a fresh child process: on CUDA with
-``torch.cuda.max_memory_allocated``; on CPU as the peak resident-set growth during
-training (Linux ``VmHWM``, reset before the model is built), which includes activations.
+alike. Peak memory of three training steps, per variant (``--peak``):
+
+* CUDA (``auto``, ``in-process``): in this process, one variant after another; the timed
+  models are freed first, each variant is freed before the next is built, and
+  ``torch.cuda.reset_peak_memory_stats`` runs before each; the figure is
+  ``max_memory_allocated`` above what was allocated before the model was built (so the
+  batch, the CUDA context and cuBLAS's workspace are not counted).
+* CPU (``auto``, ``child``): in a fresh child process per variant, as the peak
+  resident-set growth during training (Linux ``VmHWM``, reset before the model is
+  built), which includes activations. A process's RSS does not fall back when tensors
+  are freed, hence one process each.
+* ``none``: no peak memory.
 
     python benchmarks/torch_modes.py [--device cpu|cuda] [--width 512] [--batch 1024]
+        [--peak auto|in-process|child|none]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -112,7 +123,61 @@ def _rss(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def measure(args):
+class CudaPeakMeter:
+    """Peak allocated bytes on one CUDA device since the last `start`."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def start(self):
+        """Frees what is unreferenced, resets the peak; returns the bytes allocated now."""
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self):
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def peaks_in_process(args, device, x, y, meter):
+    """Peak bytes of 3 training steps of each variant, one after another in this process;
+    each variant is built after the `meter` starts and freed before the next starts."""
+    peaks = {}
+    for name in VARIANTS:
+        base = meter.start()
+        step = make_step(name, args.width, args.depth, device)
+        for _ in range(3):
+            step(x, y)
+        peaks[name] = meter.peak() - base
+        del step
+    return peaks
+
+
+def peaks_in_children(args):
+    """Peak bytes of each variant, each in a fresh child process (CPU RSS)."""
+    peaks = {}
+    for name in VARIANTS:
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", name, "--device", args.device,
+             "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)],
+            capture_output=True, text=True, check=True, env=dict(os.environ))
+        peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+    return peaks
+
+
+def peak_method(peak, device_type):
+    """What ``--peak`` means on ``device_type``: 'in-process', 'child' or 'none'."""
+    if peak == "auto":
+        return "in-process" if device_type == "cuda" else "child"
+    return peak
+
+
+def measure(args, meter=None):
+    """Times every variant; ``meter`` (default: a `CudaPeakMeter`) measures the in-process
+    peaks."""
     device = torch.device(args.device)
     x = torch.randn(args.batch, args.width, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
@@ -131,13 +196,14 @@ def measure(args):
             sync(device)
             times[name].append((time.perf_counter() - t0) / args.iters)
     med = {k: statistics.median(v) for k, v in times.items()}
-    peaks = {}
-    for name in VARIANTS:
-        out = subprocess.run(
-            [sys.executable, __file__, "--child", name, "--device", args.device,
-             "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)],
-            capture_output=True, text=True, check=True, env=dict(os.environ))
-        peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+    del steps, step  # the timed models and optimizers go before any peak is measured
+    method = peak_method(args.peak, device.type)
+    if method == "in-process":
+        peaks = peaks_in_process(args, device, x, y, meter or CudaPeakMeter(device))
+    elif method == "child":
+        peaks = peaks_in_children(args)
+    else:
+        peaks = {}
     n_params = sum(p.numel() for p in make_model(args.width, args.depth, "cpu").parameters())
     if device.type == "cuda":
         dev = torch.cuda.get_device_name(device)
@@ -148,6 +214,7 @@ def measure(args):
         "rounds": args.rounds, "iters": args.iters,
         "median_step_ms": {k: v * 1e3 for k, v in med.items()},
         "samples_per_s": {k: args.batch / v for k, v in med.items()},
+        "peak_method": method,
         "peak_mib": {k: v / 2**20 for k, v in peaks.items()},
         "speed_vs_fp32": {k: med["fp32"] / v for k, v in med.items()},
         "memory_vs_fp32": {k: peaks[k] / peaks["fp32"] for k in peaks},
@@ -168,9 +235,11 @@ def to_markdown(r):
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for k in r["median_step_ms"]:
+        mem = (f"{r['peak_mib'][k]:.1f} | {r['speed_vs_fp32'][k]:.2f}x | "
+               f"{r['memory_vs_fp32'][k]:.2f}x" if k in r["peak_mib"]
+               else f"n/a | {r['speed_vs_fp32'][k]:.2f}x | n/a")
         lines.append(f"| {k} | {r['median_step_ms'][k]:.1f} | {r['samples_per_s'][k]:.0f} | "
-                     f"{r['peak_mib'][k]:.1f} | {r['speed_vs_fp32'][k]:.2f}x | "
-                     f"{r['memory_vs_fp32'][k]:.2f}x |")
+                     f"{mem} |")
     lines += ["", f"mpfunc torch mode / raw torch.amp step time: fp16 "
               f"{r['mpfunc_torch_vs_raw_amp']:.3f}, bf16 {r['mpfunc_torch_bf16_vs_raw_amp_bf16']:.3f}"]
     return "\n".join(lines)
@@ -184,9 +253,18 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--peak", choices=["auto", "in-process", "child", "none"], default="auto",
+                    help="how peak memory is measured (auto: in-process on cuda, a child "
+                    "process per variant on cpu)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.peak == "in-process" and args.device != "cuda":
+        ap.error("--peak in-process needs --device cuda (a CPU peak is a process's RSS: "
+                 "use --peak child)")
+    for flag in ("width", "batch", "rounds", "iters"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     if args.child:
         return peak_child(args.child, args)
     r = measure(args)
