@@ -499,6 +499,11 @@ def main(argv=None):
                     result, timed = run_torch(name, cfg, data, evals)
                 results.append(result)
                 timers[fw, name] = timed
+                if cfg.json:  # so far, in case a later run hangs or runs out of time
+                    write_json(cfg.json, {"partial": True, "device": cfg.device, "runs": [
+                        {k: r[k] for k in ("framework", "mode", "eval", "skipped", "scale")}
+                        | ({"compile_s": r["compile_s"]} if "compile_s" in r else {})
+                        for r in results]})
         WATCHDOG.beat("the interleaved timing rounds")
         rates = time_interleaved(timers, cfg)
     finally:
@@ -524,14 +529,23 @@ def main(argv=None):
     plot(results, png)
     print(f"\nloss curves and loss-scale trajectories: {png}")
     if cfg.json:
-        import json
-
-        extra = {"device": cfg.device, "wall_s": time.perf_counter() - started}
-        Path(cfg.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.json).write_text(json.dumps({"compare_modes": to_json(results, cfg, extra)},
-                                             indent=1, default=str))
+        markdown = table(results, cfg)
+        if cfg.framework == "both":
+            markdown += "\n\n" + parity(results)
+        if compiles is not None:
+            markdown += "\n\nJAX compilations:\n" + compile_summary(results)
+        extra = {"device": cfg.device, "wall_s": time.perf_counter() - started,
+                 "markdown": markdown}
+        write_json(cfg.json, to_json(results, cfg, extra))
         print(f"figures: {cfg.json}")
     return results
+
+
+def write_json(path, section):
+    import json
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"compare_modes": section}, indent=1, default=str))
 
 
 if __name__ == "__main__":
