@@ -2,6 +2,7 @@
 #   make demo   trains a small model in mixed precision and prints what it did
 #   make test   runs the default test suite (everything but the tests marked slow)
 #   make test-slow  runs the slow ones (multi-process, whole examples); CI runs both
+#   make docs   builds the documentation site into docs/_build/html (warnings are errors)
 #   make gpu    every GPU check in one command (<= 8 min on one H100/H200; see
 #               BENCHMARKS.md). It uses $(PYTHON) with the checkout on PYTHONPATH, not the
 #               .venv, so that it runs on a GPU image as it is; GPU_ARGS=--cpu-dry-run
@@ -15,7 +16,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.mpfunc-installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test test-slow lint gpu venv clean
+.PHONY: demo test test-slow lint docs gpu venv clean
 
 venv: $(STAMP)
 
@@ -35,6 +36,11 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+docs: $(STAMP)
+	rm -rf docs/_build
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	$(BIN)/python docs/check_site.py docs/_build/html
 
 gpu:
 	PYTHON=$(PYTHON) bash benchmarks/gpu.sh $(GPU_ARGS)

@@ -35,22 +35,23 @@ FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
 # inf; below 1 an extra check after unscaling is needed (both sides do it then).
 DEFAULT_MIN_SCALE = 1.0
 
-# The update rule, shared word for word by the JAX and torch docstrings.
+# The update rule, shared word for word by the JAX and torch docstrings: the code under
+# their `.. code-block::` directive (indented one level more), then the prose.
 UPDATE_RULE = """\
-    # once per optimizer step; finite = every gradient leaf is finite (on every shard)
-    if not finite:                                   # the step is skipped
-        growth_tracker = 0
-        hysteresis_left = max(hysteresis_left - 1, 0)
-        if hysteresis_left == 0:
-            loss_scale = max(loss_scale * backoff_factor, min_scale)
-    else:
-        growth_tracker += 1
-        if growth_tracker == growth_interval:
+        # once per optimizer step; finite = every gradient leaf is finite (on every shard)
+        if not finite:                                   # the step is skipped
             growth_tracker = 0
-            hysteresis_left = hysteresis              # refills only when the scale grows
-            grown = min(loss_scale * growth_factor, max_scale)
-            if isfinite(grown):
-                loss_scale = grown
+            hysteresis_left = max(hysteresis_left - 1, 0)
+            if hysteresis_left == 0:
+                loss_scale = max(loss_scale * backoff_factor, min_scale)
+        else:
+            growth_tracker += 1
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                hysteresis_left = hysteresis              # refills only when the scale grows
+                grown = min(loss_scale * growth_factor, max_scale)
+                if isfinite(grown):
+                    loss_scale = grown
 
     All arithmetic is float32: every hyperparameter is rounded to float32 once, at
     construction (a value that does not survive that rounding is a ValueError), and each

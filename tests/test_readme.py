@@ -1,11 +1,13 @@
-"""Every ```python block of README.md runs, as shown, as a test.
+"""Every ```python block of README.md and of the documentation pages (docs/*.md) runs,
+as shown, as a test.
 
 The convention (for everyone who edits the README):
 
 * Every fenced block opened with ```python (or ```py) is a test, in README order; blocks
   in other languages (```bash, ```text, a bare ```) are not run. New blocks are picked up
   automatically.
-* Blocks share one namespace, top to bottom, so a block may continue the previous one
+* Each file is read on its own. Its blocks share one namespace, top to bottom, so a
+  block may continue the previous one
   (use a name defined above it). Write each block as a complete program or as a clear
   continuation of the block before it: what the README shows must work as shown.
 * An HTML comment right before a block (blank lines allowed in between) changes how that
@@ -22,8 +24,8 @@ The convention (for everyone who edits the README):
   hide a block.
 * Blocks run in the test process (8 forced CPU devices, warnings are errors) but under
   JAX's *standard* dtype promotion, the default a reader has, not the suite's strict one.
-* Each block is its own test, named after its README heading. A test re-runs the blocks
-  above it when the worker running it has not (pytest-xdist may split them).
+* Each block is its own test, named after its file and heading. A test re-runs the
+  blocks above it when the worker running it has not (pytest-xdist may split them).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The pages whose blocks run: the README and every hand-written docs page (the API
+# reference pages are generated from the docstrings, whose examples run as doctests).
+PAGES = [README] + sorted(p for p in (ROOT / "docs").glob("*.md"))
 
 _DIRECTIVE = re.compile(r"<!--\s*readme-test:\s*(.*?)-->", re.S)
 _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
@@ -48,18 +53,19 @@ _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 
 @dataclasses.dataclass
 class Block:
-    index: int          # 0-based among the python blocks
+    index: int          # 0-based among the python blocks of its page
     line: int           # 1-based line of the opening fence
     heading: str        # the nearest heading above it
     code: str
     setup: str = ""
     fresh: bool = False
     skip: str | None = None
+    page: str = "README.md"  # relative to the repository root
 
     @property
     def id(self) -> str:
         slug = re.sub(r"[^a-z0-9]+", "-", self.heading.lower()).strip("-") or "top"
-        return f"{self.index:02d}-{slug}-line{self.line}"
+        return f"{Path(self.page).stem}-{self.index:02d}-{slug}-line{self.line}"
 
 
 def _apply(directive: str, block: Block) -> None:
@@ -70,16 +76,16 @@ def _apply(directive: str, block: Block) -> None:
         block.fresh = True
     elif word == "skip":
         if not rest.strip():
-            raise ValueError(f"README line {block.line}: `readme-test: skip` needs a reason")
+            raise ValueError(f"{block.page} line {block.line}: `readme-test: skip` needs a reason")
         block.skip = rest.strip()
     elif word == "setup":
         block.setup += textwrap.dedent(rest.lstrip("\n")) + "\n"
     else:
-        raise ValueError(f"README line {block.line}: unknown readme-test directive "
+        raise ValueError(f"{block.page} line {block.line}: unknown readme-test directive "
                          f"{text[:40]!r}; use fresh, skip REASON or setup")
 
 
-def parse(text: str) -> list[Block]:
+def parse(text: str, page: str = "README.md") -> list[Block]:
     """The python blocks of a markdown text, with their directives applied."""
     lines = text.splitlines()
     blocks: list[Block] = []
@@ -95,14 +101,15 @@ def parse(text: str) -> list[Block]:
                 body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
                 i += 1
             if i == len(lines):
-                raise ValueError(f"README line {start + 1}: unclosed ``` fence")
+                raise ValueError(f"{page} line {start + 1}: unclosed ``` fence")
             if lang.lower() in ("python", "py"):
-                block = Block(len(blocks), start + 1, heading, "\n".join(body) + "\n")
+                block = Block(len(blocks), start + 1, heading, "\n".join(body) + "\n",
+                              page=page)
                 for directive, _ in pending:
                     _apply(directive, block)
                 blocks.append(block)
             elif pending:
-                raise ValueError(f"README line {pending[0][1]}: a readme-test directive "
+                raise ValueError(f"{page} line {pending[0][1]}: a readme-test directive "
                                  f"precedes a ```{lang or ' (bare)'} block, not a python one")
             pending = []
         elif line.lstrip().startswith("<!--") and "readme-test:" in line:
@@ -110,29 +117,31 @@ def parse(text: str) -> list[Block]:
             while "-->" not in lines[i]:
                 i += 1
                 if i == len(lines):
-                    raise ValueError(f"README line {start + 1}: unclosed readme-test comment")
+                    raise ValueError(f"{page} line {start + 1}: unclosed readme-test comment")
                 chunk.append(lines[i])
             match = _DIRECTIVE.search("\n".join(chunk))
             pending.append((match.group(1), start + 1))
         elif line.startswith("#"):
             heading = line.lstrip("#").strip()
             if pending:
-                raise ValueError(f"README line {pending[0][1]}: a readme-test directive "
+                raise ValueError(f"{page} line {pending[0][1]}: a readme-test directive "
                                  "with no python block after it")
         elif line.strip() and pending:
-            raise ValueError(f"README line {pending[0][1]}: a readme-test directive must "
+            raise ValueError(f"{page} line {pending[0][1]}: a readme-test directive must "
                              "come right before its python block")
         i += 1
     if pending:
-        raise ValueError(f"README line {pending[0][1]}: a readme-test directive with no "
+        raise ValueError(f"{page} line {pending[0][1]}: a readme-test directive with no "
                          "python block after it")
     return blocks
 
 
-BLOCKS = parse(README.read_text())
+BY_PAGE = {str(p.relative_to(ROOT)): parse(p.read_text(), str(p.relative_to(ROOT)))
+           for p in PAGES}
+BLOCKS = [b for blocks in BY_PAGE.values() for b in blocks]
 
-# Per worker: the namespace after the last block run, and that block's index.
-_state: dict = {"namespace": None, "last": -1}
+# Per worker: the namespace after the last block run, and that block (page, index).
+_state: dict = {"namespace": None, "last": None}
 
 
 def _new_namespace() -> dict:
@@ -144,7 +153,7 @@ def _new_namespace() -> dict:
 
 
 def _run(block: Block, namespace: dict) -> None:
-    filename = f"README.md:{block.line}"
+    filename = f"{block.page}:{block.line}"
     # Fences start at line block.line, so line N of the code is README line block.line + N.
     code = "\n" * block.line + block.code
     cwd = os.getcwd()
@@ -158,24 +167,27 @@ def _run(block: Block, namespace: dict) -> None:
         os.chdir(cwd)
 
 
-def _namespace_before(index: int) -> tuple[dict, list[str]]:
-    """The namespace block ``index`` starts from, running the blocks above it if needed.
+def _namespace_before(block: Block) -> tuple[dict, list[str]]:
+    """The namespace ``block`` starts from, running the blocks above it on its page if
+    needed.
 
     A block above that fails here is reported by its own test; this one still runs (it
     may not need it), and its error names the failed blocks.
     """
-    if _state["namespace"] is not None and _state["last"] == index - 1:
+    page, index = block.page, block.index
+    if _state["namespace"] is not None and _state["last"] == (page, index - 1):
         return _state["namespace"], []
+    blocks = BY_PAGE[page]
     start = index
-    while start > 0 and not BLOCKS[start].fresh:
+    while start > 0 and not blocks[start].fresh:
         start -= 1
     namespace, failed = _new_namespace(), []
-    for block in BLOCKS[start:index]:
-        if block.skip is None:
+    for above in blocks[start:index]:
+        if above.skip is None:
             try:
-                _run(block, namespace)
+                _run(above, namespace)
             except Exception as e:
-                failed.append(f"README line {block.line} ({type(e).__name__}: {e})")
+                failed.append(f"{page} line {above.line} ({type(e).__name__}: {e})")
     return namespace, failed
 
 
@@ -186,8 +198,8 @@ def test_readme_block(block):
     if block.fresh:
         namespace, failed = _new_namespace(), []
     else:
-        namespace, failed = _namespace_before(block.index)
-    _state["namespace"], _state["last"] = None, -1
+        namespace, failed = _namespace_before(block)
+    _state["namespace"], _state["last"] = None, None
     try:
         _run(block, namespace)
     except Exception as e:
@@ -195,12 +207,12 @@ def test_readme_block(block):
             e.add_note("blocks above this one failed, so names they define may be missing: "
                        + "; ".join(failed))
         raise
-    _state["namespace"], _state["last"] = namespace, block.index
+    _state["namespace"], _state["last"] = namespace, (block.page, block.index)
 
 
 def test_the_quick_starts_are_found():
     # Guards the parser: if it stopped finding blocks, every test above would vanish.
-    headings = {b.heading for b in BLOCKS}
+    headings = {b.heading for b in BY_PAGE["README.md"]}
     assert {"JAX quick start", "PyTorch quick start"} <= headings, headings
     assert all(b.code.strip() for b in BLOCKS)
 

@@ -121,22 +121,22 @@ def convert_to_amp(
 
     Modes, keys and defaults are the torch side's (one shared table):
 
-    ======  ======================  ==========  ===================  =================
-    mode    params                  compute     loss scale           master weights
-    ======  ======================  ==========  ===================  =================
-    torch   float32                 autocast    dynamic, "torch"     no
+    ======  ======================  ===========  ====================  ==============
+    mode    params                  compute      loss scale            master weights
+    ======  ======================  ===========  ====================  ==============
+    torch   float32                 autocast     dynamic, "torch"      no
                                     f16/bf16
-    apex    O0 f32 / O1 f32 /       O1          O0, O3: static 1;    O2
-            O2 f16 + f32 norms /    autocast    O1, O2: dynamic,
-            O3 f16                              "apex"
-    naive   float16 (all)           float16     dynamic, "naive"     yes
-                                                (hysteresis 2)
-    bf16    float32                 autocast    none (non-finite     no
-                                    bf16        steps still skipped)
-    fp8     float32                 as bf16;    none, as bf16        no
+    apex    O0 f32 / O1 f32 /       O1           O0, O3: static 1;     O2
+            O2 f16 + f32 norms /    autocast     O1, O2: dynamic,
+            O3 f16                               "apex"
+    naive   float16 (all)           float16      dynamic, "naive"      yes
+                                                 (hysteresis 2)
+    bf16    float32                 autocast     none (non-finite      no
+                                    bf16         steps still skipped)
+    fp8     float32                 as bf16;     none, as bf16         no
                                     dense
                                     matmuls fp8
-    ======  ======================  ==========  ===================  =================
+    ======  ======================  ===========  ====================  ==============
 
     ``apply_fn(params, *args, **kwargs)`` is wrapped: with autocast modes it runs under
     `mpfunc.autocast`; otherwise floating inputs are cast to the compute dtype. Outputs

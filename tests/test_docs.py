@@ -1,0 +1,63 @@
+"""The documentation site: it builds with warnings as errors, every public name has an
+API entry, and a reader in a browser sees pages, images and a working search box.
+
+Building takes a minute on 2 cores, so these are slow tests (CI runs them, and
+``make docs`` runs the same build and checks). The code blocks of the pages run as tests
+in test_readme.py.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs"))
+import check_site  # noqa: E402
+import screenshots  # noqa: E402
+
+sys.path.pop(0)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site") / "html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+         str(ROOT / "docs"), str(out)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_the_site_builds_clean_with_every_api_entry(site):
+    assert check_site.missing_api_entries(site) == []
+    assert check_site.missing_images(site) == []
+    assert "dynamic_scale" in (site / "searchindex.js").read_text()
+
+
+@pytest.mark.slow
+def test_a_missing_api_entry_is_caught(site, tmp_path):
+    # The check reads the inventory: drop one name from it and the check names it.
+    import shutil
+    import zlib
+
+    broken = tmp_path / "html"
+    shutil.copytree(site, broken)
+    data = (broken / "objects.inv").read_bytes()
+    head, body = data.split(b"\n", 4)[:4], zlib.decompress(data.split(b"\n", 4)[4])
+    body = b"\n".join(line for line in body.split(b"\n")
+                      if not line.startswith(b"mpfunc.dynamic_scale "))
+    (broken / "objects.inv").write_bytes(b"\n".join(head) + b"\n" + zlib.compress(body))
+    assert check_site.missing_api_entries(broken) == ["mpfunc.dynamic_scale"]
+
+
+@pytest.mark.slow
+def test_a_reader_sees_the_pages_and_the_search_box_works(site, tmp_path):
+    if screenshots.chromium() is None:
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    assert screenshots.check(site, tmp_path) == []
+    for name in screenshots.PAGES:
+        assert (tmp_path / f"docs-{name}.png").stat().st_size > 10_000
