@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from donation import assert_own_buffers
-from fp8_reference import flush, ref_cast, ref_dequantize, ref_quantize, ref_scale
+from fp8_reference import ref_cast, ref_dequantize, ref_quantize, ref_scale
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -25,7 +25,7 @@ def qdq(a, role, recipe, scale=None):
     r = resolve_recipe(recipe)
     if scale is not None:
         s = np.float32(scale)
-        return ref_dequantize(ref_cast(flush(a) * s, r.dtype(role)), s)
+        return ref_dequantize(ref_cast(a * s, r.dtype(role)), s)
     block = r.block(role)
     q, s = ref_quantize(a, r.dtype(role), block, r.margin, r.power_of_2_scales)
     return ref_dequantize(q, s, block)
@@ -92,9 +92,7 @@ def test_output_dtype_and_gradient_dtypes():
 
 def ref_delayed(hist, prev, amax, name, reduction="max"):
     used = max(hist) if reduction == "max" else hist[0]
-    if not used > 0:
-        used = amax
-    scale = ref_scale(used, name, fallback=prev)
+    scale = ref_scale(used, name, fallback=prev if np.isfinite(prev) and prev > 0 else 1.0)
     if np.isfinite(amax):
         hist = [np.float32(amax)] + hist[:-1]
     return scale, hist
@@ -105,14 +103,16 @@ def test_delayed_state_follows_the_rule_step_by_step(reduction):
     recipe = mpfunc.Fp8Recipe("delayed", amax_history_len=3, amax_reduction=reduction)
     x0, w, r = data(16, 32, 16)
     x0 = x0 / np.abs(x0).max()  # amax 1
-    # Amaxes per step: first step (no history: current scaling), a zero tensor (not a
-    # usable amax, still recorded), an inf (never recorded), a window of 3 rolling.
+    # Amaxes per step: first step (no history: the fresh scale 1.0), a zero tensor (not
+    # a usable amax, still recorded), an inf (never recorded), a window of 3 rolling.
     factors = [2.0, 0.0, 8.0, np.inf, 3.0, 0.5, 0.25, 0.125]
     state = mpfunc.fp8_dot_state(recipe)
     ref = {role: ([np.float32(0)] * 3, np.float32(1)) for role in ("input", "weight", "grad_output")}
-    for f in factors:
+    for step, f in enumerate(factors):
         x = x0 * np.float32(f) if np.isfinite(f) else np.where(x0 == x0.max(), np.inf, x0)
         y, _, _, state = dot_and_grads(x, w, r, recipe, state)
+        if step == 0:  # the cast did not wait for this step's amax: scale 1.0
+            assert all(float(getattr(state, role).scale) == 1.0 for role in ref)
         amaxes = {"input": np.float32(np.abs(x).max()), "weight": np.float32(np.abs(w).max()),
                   "grad_output": np.float32(np.abs(r).max())}
         for role in ref:
@@ -171,15 +171,22 @@ def test_delayed_state_never_goes_through_the_loss_scale():
     assert float(fp8.input.amax_history[0]) == float(jnp.abs(x).max())
     assert float(fp8.weight.amax_history[0]) == float(jnp.abs(w).max())
     assert float(fp8.grad_output.amax_history[0]) == 2.0**10 * float(jnp.abs(r).max())
-    # The same step without a loss scale moves the params identically: scaling by a
-    # power of two commutes with every rounding here.
+    # From a state with a history, the same step without a loss scale moves the params
+    # identically: the output gradient's history, so its scale, differs by the loss
+    # scale, a power of two, which commutes with every rounding here.
+    def plain_loss(w, fp8):
+        return jnp.sum(mpfunc.fp8_dot(x, w, "delayed", fp8) * r)
+
     @jax.jit
     def plain_step(w, fp8):
-        g = jax.grad(lambda w: jnp.sum(mpfunc.fp8_dot(x, w, "delayed", fp8) * r))(w)
+        g = jax.grad(plain_loss)(w, fp8)
         sgd = optax.sgd(0.1)
         return optax.apply_updates(w, sgd.update(g, sgd.init(w))[0])
 
-    np.testing.assert_array_equal(p1["w"], plain_step(w, mpfunc.fp8_dot_state()))
+    plain_fp8 = jax.grad(plain_loss, argnums=1)(w, mpfunc.fp8_dot_state())
+    assert float(plain_fp8.grad_output.amax_history[0]) == float(jnp.abs(r).max())
+    scaled, _, _ = step(params, opt.init(params), fp8, x)
+    np.testing.assert_array_equal(scaled["w"], plain_step(w, plain_fp8))
     # An overflow step is skipped for params and optimizer state; the fp8 state keeps
     # its finite history (the inf amax is not recorded).
     bad = x.at[0, 0].set(jnp.inf)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _mpfunc_common.fp8 import FP8_MAX, Fp8Recipe, resolve_recipe
+from _mpfunc_common.fp8 import Fp8Recipe, resolve_recipe
 from mpfunc._src.distributed import _varying_axes
 from mpfunc._src.fp8_quantize import (
     AxisName,
@@ -70,14 +70,15 @@ def fp8_dot_state(recipe: Any = "delayed") -> Fp8DotState:
 
 # ------------------------------------------------------------------ delayed scaling
 def _delayed(x, meta: Fp8Meta, name: str, recipe: Fp8Recipe, axis_name):
-    """This step's scale from the history, and the updated `Fp8Meta` (see the rule)."""
-    amax = pmax_over(block_amax(x, None), axis_name)
+    """This step's scale, from the history alone, and the updated `Fp8Meta` (see the
+    rule). The scale never waits for this step's amax, so XLA can compute the amax and
+    the cast in one pass over ``x``."""
     hist = meta.amax_history
     used = jnp.max(hist) if recipe.amax_reduction == "max" else hist[0]
-    used = jnp.where(jnp.isfinite(used) & (used > 0), used, amax)  # no history yet
     prev_ok = jnp.isfinite(meta.scale) & (meta.scale > 0)  # not a state JAX zeroed
     fallback = jnp.where(prev_ok, meta.scale, jnp.ones((), _F32))
-    scale = scale_from_amax(used, FP8_MAX[name], recipe.margin, recipe.power_of_2_scales, fallback)
+    scale = scale_from_amax(used, name, recipe.margin, recipe.power_of_2_scales, fallback)
+    amax = pmax_over(block_amax(x, None), axis_name)
     rolled = jnp.concatenate([amax[None], hist[:-1]])
     new_hist = jnp.where(jnp.isfinite(amax), rolled, hist)
     return scale, Fp8Meta(new_hist, scale)
@@ -93,7 +94,7 @@ def _operand(x2d, role: str, recipe: Fp8Recipe, meta, axis_name):
         amax = block_amax(x2d, block)
         if block is None:
             amax = pmax_over(amax, axis_name)
-        scale, new_meta = scale_from_amax(amax, FP8_MAX[name], recipe.margin,
+        scale, new_meta = scale_from_amax(amax, name, recipe.margin,
                                  recipe.power_of_2_scales, 1.0), None
     q = quantize_with(x2d, scale, recipe.block(role), name)
     return dequantize_fp8(q, scale, recipe.block(role)), new_meta

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from _mpfunc_common.fp8 import FP8_MAX, Fp8Recipe
+from _mpfunc_common.fp8 import Fp8Recipe
 from mpfunc_torch._src.fp8_quantize import (
     all_reduce_max,
     block_amax,
@@ -42,7 +42,7 @@ class _Operand:
             amax = block_amax(x2d, self.block)
             if self.block is None:
                 amax = all_reduce_max(amax, groups)
-            scale = scale_from_amax(amax, FP8_MAX[name], recipe.margin, recipe.power_of_2_scales, 1.0)
+            scale = scale_from_amax(amax, name, recipe.margin, recipe.power_of_2_scales, 1.0)
         self.scale = scale
         self.q = quantize_with(x2d, scale, self.block, name)
 
@@ -68,10 +68,9 @@ def _delayed_scale(x: torch.Tensor, layer, role: str, recipe: Fp8Recipe, groups)
     if hasattr(amax, "full_tensor"):  # a DTensor operand (tensor parallelism): its amax
         amax = amax.full_tensor()     # over the whole tensor, as the history records it
     amax = all_reduce_max(amax, groups)
-    used = hist.max() if recipe.amax_reduction == "max" else hist[0]
-    used = torch.where(torch.isfinite(used) & (used > 0), used, amax)  # no history yet
+    used = hist.max() if recipe.amax_reduction == "max" else hist[0]  # the history alone
     fallback = torch.where(torch.isfinite(prev) & (prev > 0), prev, torch.ones_like(prev))
-    scale = scale_from_amax(used, FP8_MAX[recipe.dtype(role)], recipe.margin,
+    scale = scale_from_amax(used, recipe.dtype(role), recipe.margin,
                    recipe.power_of_2_scales, fallback)
     rolled = torch.cat([amax.reshape(1), hist[:-1]])
     hist.copy_(torch.where(torch.isfinite(amax), rolled, hist))
