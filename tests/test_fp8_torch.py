@@ -84,9 +84,10 @@ def test_torch_linear_and_jax_dot_agree(recipe):
 
     yj = jax.jit(lambda x, w, s: mpfunc.fp8_dot(x, w, recipe, s))(x, w.T, state)
     gxj, gwj, sj = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w.T, state)
-    np.testing.assert_allclose(y, yj, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gx, gxj, rtol=1e-5, atol=1e-9)
-    np.testing.assert_allclose(gw, np.asarray(gwj).T, rtol=1e-5, atol=1e-9)
+    # The GEMMs agree to float32 accumulation: |difference| <= 1e-6 * max|output|.
+    for a, b in ((y, yj), (gx, gxj), (gw, np.asarray(gwj).T)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max()
     if recipe == "delayed":  # the states are bit-identical
         for role in ("input", "weight", "grad_output"):
             meta = getattr(sj, role)
