@@ -23,8 +23,8 @@ from _mpfunc_common.fp8 import (
 )
 from mpfunc_torch._src.distributed import normalize_groups
 
-__all__ = ["all_reduce_max", "block_amax", "dequantize_fp8", "quantize_fp8", "quantize_with",
-           "scale_from_amax"]
+__all__ = ["all_reduce_max", "block_amax", "cast_pair", "dequantize_fp8", "quantize_fp8",
+           "quantize_with", "scale_from_amax"]
 
 _DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _F32 = torch.float32
@@ -126,6 +126,19 @@ def quantize_with(x: torch.Tensor, scale: torch.Tensor, block, name: str) -> tor
     t, info = _tiled(_as_2d(x), block)
     q = _cast(t.to(_F32) * scale[:, None, :, None], name)
     return _untiled(q, info).reshape(x.shape)
+
+
+def cast_pair(x: torch.Tensor, scale: torch.Tensor, name: str,
+              transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` (2-D) quantised with one per-tensor ``scale``, and its transpose as a
+    row-major copy (``transposed=True``): the layouts ``torch._scaled_mm`` takes.
+
+    One multiply, one clamp and the cast, elementwise: under ``torch.compile`` inductor
+    fuses them into a kernel that reads ``x`` once and writes both fp8 copies (the
+    transposed one is the same bits, so the backward needs no second read of ``x``).
+    """
+    q = _cast(x.detach().to(_F32) * scale, name)
+    return q.contiguous(), (q.t().contiguous() if transposed else None)
 
 
 def quantize_fp8(
