@@ -111,8 +111,9 @@ def _cast(y: torch.Tensor, name: str) -> torch.Tensor:
     fuses into one kernel with the multiply before it (reading ``x`` once)."""
     m = FP8_MAX[name]
     q = y.clamp(-m, m).to(_DTYPES[name]).view(torch.uint8)  # saturate finite values
-    # torch's cast saturates inf in e4m3fn, Triton's in both formats, and NaN encodings
-    # differ between backends: the non-finite bit patterns are the rule's, selected.
+    # torch's eager cast saturates inf in e4m3fn, its NaN encodings differ from XLA's,
+    # and a generated kernel's cast need not match either: the non-finite bit patterns
+    # are the rule's, selected bitwise.
     nan, pos_inf, neg_inf = _NONFINITE_BITS[name]
     special = torch.where(y.isnan(), nan, torch.where(y > 0, pos_inf, neg_inf))
     return torch.where(torch.isfinite(y), q, special.to(torch.uint8)).view(_DTYPES[name])
