@@ -16,6 +16,8 @@ from _mpfunc_common.scale_config import FLOAT32_MAX, FLOAT32_MIN_NORMAL
 
 __all__ = [
     "FP8_MAX",
+    "MIN_SCALE",
+    "MAX_SCALE",
     "FORMATS",
     "SCALINGS",
     "ROLES",
@@ -30,6 +32,10 @@ __all__ = [
 
 # The largest finite value of each fp8 format (OCP 8-bit floating point spec).
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+# The smallest scale, and the largest: 2**125 times the format's smallest subnormal
+# (2**-9, 2**-16), so that a float32 subnormal times any scale rounds to zero in fp8.
+MIN_SCALE = 2.0**-126
+MAX_SCALE = {"float8_e4m3fn": 2.0**116, "float8_e5m2": 2.0**109}
 
 # format -> (forward dtype: activations and weights, backward dtype: output gradients).
 # The names are TransformerEngine's `recipe.Format` members.
@@ -48,14 +54,14 @@ QUANTIZE_RULE = """\
     2-D array (leading dimensions flattened); a *block* is the set of elements that
     share one scale: the whole tensor (tensorwise, delayed), one row (rowwise), 1x128
     tiles of inputs and output gradients and 128x128 tiles of weights (blockwise). All
-    arithmetic is float32 (a bfloat16/float16 input is upcast exactly first), and
-    float32 subnormals count as zero: inputs and dequantised values are flushed
-    explicitly, as XLA does on CPU (torch keeps subnormals, XLA on GPU may too).
+    arithmetic is float32 (a bfloat16/float16 input is upcast exactly first). Nothing
+    is flushed: the scale range below makes every result the same whether or not the
+    hardware flushes float32 subnormals (XLA on CPU does, torch does not).
 
         amax  = max(|x|) over the block          # a NaN counts as +inf
-        if amax is finite and amax > 0:
+        if amax is finite and amax >= 2**-126:   # a subnormal amax counts as zero
             scale = (fp8_max / amax) / 2**margin # correctly rounded float32 divisions
-            scale = min(max(scale, 2**-126), 2**126)   # it and 1/scale are normal
+            scale = min(max(scale, 2**-126), max_scale)
             if power_of_2_scales:
                 scale = 2**floor(log2(scale))    # mantissa bits cleared: exact
         else:                                    # all zeros, or inf/NaN in the block
@@ -64,8 +70,13 @@ QUANTIZE_RULE = """\
         q = x * scale                            # float32 multiply, rounded
         q = clamp(q, -fp8_max, fp8_max) if q is finite else q   # saturate finite values
         q = fp8(q)                               # round to nearest, ties to even
-        dequantised = float32(q) * (1 / scale)   # the reciprocal rounded to float32,
-                                                 # as the GPU GEMM applies it; flushed
+        dequantised = float32(q) * (1 / scale)   # the reciprocal rounded to float32
+
+    max_scale is 2**125 times the smallest fp8 subnormal (2**116 for e4m3fn, 2**109
+    for e5m2): a float32 subnormal (below 2**-126) times the scale is then below half
+    the smallest fp8 subnormal, so it becomes a zero of its sign whether it was flushed
+    first or not, and every nonzero dequantised value is at least 2**-125, a normal
+    float32.
 
     Finite values beyond the range saturate to +-fp8_max, written out because the
     frameworks' own casts disagree (torch's e4m3fn cast saturates, even inf; XLA's
@@ -74,16 +85,22 @@ QUANTIZE_RULE = """\
     NaN becomes the positive NaN (0x7F in e4m3fn, 0x7E in e5m2); +-inf becomes +-inf in
     e5m2 (0x7C, 0xFC) and a NaN in e4m3fn, which has no inf (0x7F, 0xFF).
 
+    A GEMM of two per-tensor or rowwise quantised operands multiplies the fp8 values
+    (exact in float32), accumulates in float32 and scales the result once:
+    out = dot(q_a, q_b) * (1/scale_a * 1/scale_b); its accumulation order is the
+    backend's, so GEMM results agree to float32 rounding, not bit for bit.
+
     Delayed scaling (per tensor) keeps an amax history (newest first, length
-    ``amax_history_len``) and the last scale:
+    ``amax_history_len``) and the last scale; this step's scale comes from them alone
+    (as in TransformerEngine and flax), so the cast never waits for this step's amax:
 
         amax_used = max(history)  (or history[0] with amax_reduction="most_recent")
-        if not (amax_used > 0):                  # no history yet (the first step)
-            amax_used = amax of this step's tensor
         scale = rule above with amax_used, fallback = the previous scale
-                (1.0 if it is not a finite scale > 0: a JAX state zeroed because
-                its matmul's output did not reach the loss)
+                (1.0 if it is not a finite scale > 0: a fresh state, or a JAX state
+                zeroed because its matmul's output did not reach the loss)
         history = [amax of this step's tensor] + history[:-1]   # only if finite
+
+    So the first step (an all-zero history) uses the previous scale, 1.0 when fresh.
 
     A per-tensor amax (tensorwise, delayed) is MAX-reduced over the data-parallel group
     (``axis_name`` in JAX, ``process_group`` in torch) before it is used or recorded,

@@ -5,8 +5,9 @@ manual jmp-style loop), what an exact skip costs in peak memory, compile time an
 time (every scaling form and mode, three depths), the torch modes (fp32 / raw
 torch.amp / every mpfunc_torch mode), the torch master-weight step peak memory
 (bytes/param at the allocator), the unscale-and-check bandwidth, the JAX FSDP bytes per
-device and the torch FSDP2 bytes per rank. Each section records its device, software
-versions, the command and the date.
+device and the torch FSDP2 bytes per rank, and (with ``--device cuda`` only) fp8 against
+bf16 step throughput, as ``fp8.<framework>.<recipe>.<d>.speed_vs_bf16``. Each section
+records its device, software versions, the command and the date.
 
     python benchmarks/run.py [--device cpu|cuda] [--out out]
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fp8  # noqa: E402
 import jax_loss_scale  # noqa: E402
 import jax_scale_cost  # noqa: E402
 import jax_sharding  # noqa: E402
@@ -88,6 +90,12 @@ def main(argv=None):
     sections.append("## torch FSDP2: master-weight bytes per rank\n\nCommand: `python "
                     f"benchmarks/torch_sharding.py --device {args.device}`\n\n"
                     f"{torch_sharding.to_markdown(r)}")
+    if args.device == "cuda":  # at these sizes a CPU would take hours: GPU only
+        r = fp8.main(["--device", "cuda", "--time-budget", "1200"])
+        results["fp8"] = r["fp8"]
+        results["fp8_meta"] = {k: v for k, v in r.items() if k not in ("fp8", "markdown")}
+        sections.append("## fp8 vs bf16 step throughput\n\nCommand: `python benchmarks/fp8.py "
+                        f"--device cuda --time-budget 1200` ({r['device']})\n\n{r['markdown']}")
     md = f"# Benchmarks ({header})\n\n" + "\n\n".join(sections) + "\n"
     (out / "benchmarks.md").write_text(md)
     (out / "benchmarks.json").write_text(json.dumps(results, indent=2))

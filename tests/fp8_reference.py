@@ -13,15 +13,20 @@ import numpy as np
 F8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
 
 
+def max_scale(name):
+    """2**125 times the format's smallest subnormal (the rule's upper scale bound)."""
+    return np.float32(2.0**125 * float(ml_dtypes.finfo(F8[name]).smallest_subnormal))
+
+
 def ref_scale(amax, name, margin=0, power_of_2=False, fallback=1.0):
     amax = np.float32(amax)
     fmax = np.float32(ml_dtypes.finfo(F8[name]).max)
-    if not (np.isfinite(amax) and amax > 0):
+    if not (np.isfinite(amax) and amax >= np.float32(2.0**-126)):
         return np.float32(fallback)
     with np.errstate(over="ignore", divide="ignore"):
         s = np.float32(fmax / amax)
         s = np.float32(s / np.float32(2.0**margin))
-    s = min(max(s, np.float32(2.0**-126)), np.float32(2.0**126))
+    s = min(max(s, np.float32(2.0**-126)), max_scale(name))
     s = np.float32(s)
     if power_of_2:
         s = np.float32(2.0 ** np.floor(np.log2(np.float64(s))))
@@ -40,16 +45,9 @@ def ref_cast(y, name):
     return np.where(np.isfinite(y), sat, special).astype(np.uint8).view(F8[name])
 
 
-def flush(x):
-    """float32 subnormals -> +0 (the rule counts them as zero)."""
-    x = np.asarray(x, np.float32)
-    with np.errstate(invalid="ignore"):
-        return np.where(np.abs(x) < np.float32(2.0**-126), np.float32(0), x)
-
-
 def ref_quantize(x, name, block=None, margin=0, power_of_2=False):
-    """Returns (q, scale) exactly as the rule says."""
-    x = flush(np.asarray(x).astype(np.float32))
+    """Returns (q, scale) exactly as the rule says (NumPy keeps float32 subnormals)."""
+    x = np.asarray(x).astype(np.float32)
     if block is None:
         with np.errstate(invalid="ignore"):
             amax = np.max(np.abs(x)) if x.size else np.float32(0)
@@ -85,11 +83,11 @@ def _dequantize(q, scale, block):
     v = np.asarray(q).astype(np.float32)
     inv = (np.float32(1) / np.asarray(scale, np.float32)).astype(np.float32)
     if block is None:
-        return flush(v * inv)
+        return v * inv
     v2 = v.reshape(1, -1) if v.ndim < 2 else v.reshape(-1, v.shape[-1])
     r, c = v2.shape
     br = r if block[0] is None else block[0]
     bc = c if block[1] is None else block[1]
     rows = np.repeat(inv, br, axis=0)[:r]
     full = np.repeat(rows, bc, axis=1)[:, :c]
-    return flush(v2 * full).reshape(v.shape)
+    return (v2 * full).reshape(v.shape)

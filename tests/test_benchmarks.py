@@ -380,3 +380,39 @@ def test_gpu_sh_cpu_dry_run(tmp_path):
                                        "gpu-logs.tar.gz"]
     md = (out / "gpu-cpu-dry-run.md").read_text()
     assert "| part | status |" in md and "jax_loss_scale | timeout" in md
+
+
+def test_fp8(tmp_path):
+    # The --quick CPU setting (d=32): every variant runs and reports a finite, positive
+    # throughput and ratio under the keys fp8.<framework>.<recipe>.<d>.speed_vs_bf16.
+    # Two recipes here (each compiled variant is a few seconds of tracing); the others
+    # go through the same code (tests/test_fp8_*.py run them all).
+    import math
+
+    out = tmp_path / "r.json"
+    run_script("fp8.py", "--quick", "--recipes", "tensorwise,delayed", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["skipped"] == []
+    want = {"torch": ["bf16", "tensorwise", "delayed", "bf16_compiled", "tensorwise_compiled",
+                      "delayed_compiled"],
+            "jax": ["bf16", "tensorwise", "delayed"]}
+    assert {fw: list(rows) for fw, rows in r["fp8"].items()} == want
+    for fw, rows in r["fp8"].items():
+        for key, by_d in rows.items():
+            assert list(by_d) == ["32"]
+            row = by_d["32"]
+            for field in ("speed_vs_bf16", "tflops", "step_ms"):
+                assert math.isfinite(row[field]) and row[field] > 0, (fw, key, field)
+            if key.startswith("bf16"):
+                assert row["speed_vs_bf16"] == 1.0
+    assert "| torch | tensorwise_compiled | 32 |" in r["markdown"]
+
+
+def test_fp8_time_budget_skips_and_records(tmp_path):
+    out = tmp_path / "r.json"
+    run_script("fp8.py", "--quick", "--frameworks", "torch", "--recipes", "tensorwise",
+               "--no-compile", "--time-budget", "0", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["fp8"] == {}
+    assert [s["variant"] for s in r["skipped"]] == ["torch/bf16/32", "torch/tensorwise/32"]
+    assert {s["reason"] for s in r["skipped"]} == {"time budget"}

@@ -173,12 +173,21 @@ def test_amax_edge_cases():
     x = np.array([[2.0, np.inf], [2.0, 1.0]], np.float32)
     _, s = check_all(x, "float8_e4m3fn", (1, None))
     assert s.ravel().tolist() == [1.0, 224.0]
-    # float32 subnormals count as zero (as XLA computes on CPU; torch is made to agree).
+    # A float32-subnormal amax counts as zero (scale 1); a subnormal value becomes the
+    # zero of its sign whether the backend flushes it (XLA on CPU) or not (torch, NumPy).
     q, s = check_all(np.array([1e-45, -1e-40, 0.0], np.float32), "float8_e5m2")
-    assert float(s) == 1.0 and not q.astype(np.float32).any()
-    # A tiny amax: the scale is clamped to 2**126, so it and its reciprocal are normal.
-    q, s = check_all(np.array([2.0**-120, 2.0**-126], np.float32), "float8_e4m3fn")
-    assert float(s) == 2.0**126 and q.astype(np.float32).tolist() == [64.0, 1.0]
+    assert float(s) == 1.0 and bits(q).tolist() == [0x00, 0x80, 0x00]
+    # A tiny amax: the scale stops at 2**116 (e4m3fn) / 2**109 (e5m2), where a float32
+    # subnormal times the scale is below half the smallest fp8 subnormal.
+    q, s = check_all(np.array([2.0**-120, 2.0**-126, -1e-45], np.float32), "float8_e4m3fn")
+    # (2**-126 * 2**116 = 2**-10 is a tie between 0 and 2**-9: to even, 0.)
+    assert float(s) == 2.0**116 and q.astype(np.float32).tolist() == [2.0**-4, 0.0, -0.0]
+    assert bits(q).tolist()[2] == 0x80
+    _, s = check_all(np.array([2.0**-120, 2.0**-127], np.float32), "float8_e5m2")
+    assert float(s) == 2.0**109
+    # ... so every nonzero dequantised value is a normal float32 (nothing to flush).
+    d = ref_dequantize(np.array([2.0**-9], ml_dtypes.float8_e4m3fn), np.float32(2.0**116))
+    assert d.tolist() == [2.0**-125]
     # Leading dims are flattened: a 3-D activation is (tokens, features).
     x = np.random.default_rng(1).standard_normal((2, 65, 200)).astype(np.float32)
     _, s = check_all(x, "float8_e4m3fn", (1, 128))

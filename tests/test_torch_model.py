@@ -154,7 +154,8 @@ def test_a_converted_model_pickles_whole(mode, cfg, tmp_path):
     out, ref = again(x)[0].logits, model(x)[0].logits
     assert out.dtype == ref.dtype and torch.equal(out, ref)  # still converted
     again.load_state_dict(model.state_dict())  # its load hooks (naive: masters) still work
-    assert torch.equal(again(x)[0].logits, ref)
+    # (a second call: delayed fp8 now scales from the history both have recorded)
+    assert torch.equal(again(x)[0].logits, model(x)[0].logits)
 
 
 def test_converting_twice_is_an_error():

@@ -2,9 +2,11 @@
 
 Quantisation itself is in `mpfunc._src.fp8_quantize`. `fp8_dot` is a dense layer's matmul with
 inputs and weights in the recipe's forward format and output gradients in its backward
-format (a ``custom_vjp``). On CPU the matmul is emulated: dequantise, then multiply in
-float32. On a GPU with fp8 support XLA rewrites that same dequantise -> dot pattern
-(per-tensor scales) into an fp8 cuBLASLt GEMM; no other code path exists.
+format (a ``custom_vjp``). Its three GEMMs are ``dot_general`` on the fp8 operands with a
+float32 result, scaled afterwards (`_gemm`): XLA:CPU runs them by upcasting the fp8
+values (their products are exact in float32), and on a GPU with fp8 support XLA's GEMM
+rewriter makes each per-tensor one a cuBLASLt fp8 GEMM. Blockwise GEMMs stay emulated:
+dequantise, then multiply in float32.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _mpfunc_common.fp8 import FP8_MAX, Fp8Recipe, resolve_recipe
+from _mpfunc_common.fp8 import Fp8Recipe, resolve_recipe
 from mpfunc._src.distributed import _varying_axes
 from mpfunc._src.fp8_quantize import (
     AxisName,
@@ -70,39 +72,58 @@ def fp8_dot_state(recipe: Any = "delayed") -> Fp8DotState:
 
 # ------------------------------------------------------------------ delayed scaling
 def _delayed(x, meta: Fp8Meta, name: str, recipe: Fp8Recipe, axis_name):
-    """This step's scale from the history, and the updated `Fp8Meta` (see the rule)."""
-    amax = pmax_over(block_amax(x, None), axis_name)
+    """This step's scale, from the history alone, and the updated `Fp8Meta` (see the
+    rule). The scale never waits for this step's amax, so XLA can compute the amax and
+    the cast in one pass over ``x``."""
     hist = meta.amax_history
     used = jnp.max(hist) if recipe.amax_reduction == "max" else hist[0]
-    used = jnp.where(jnp.isfinite(used) & (used > 0), used, amax)  # no history yet
     prev_ok = jnp.isfinite(meta.scale) & (meta.scale > 0)  # not a state JAX zeroed
     fallback = jnp.where(prev_ok, meta.scale, jnp.ones((), _F32))
-    scale = scale_from_amax(used, FP8_MAX[name], recipe.margin, recipe.power_of_2_scales, fallback)
+    scale = scale_from_amax(used, name, recipe.margin, recipe.power_of_2_scales, fallback)
+    amax = pmax_over(block_amax(x, None), axis_name)
     rolled = jnp.concatenate([amax[None], hist[:-1]])
     new_hist = jnp.where(jnp.isfinite(amax), rolled, hist)
     return scale, Fp8Meta(new_hist, scale)
 
 
-def _operand(x2d, role: str, recipe: Fp8Recipe, meta, axis_name):
-    """Quantise-dequantise one operand (contraction dim last); returns (dq, new meta)."""
+def _quantize(x2d, role: str, recipe: Fp8Recipe, meta, axis_name):
+    """One operand (contraction dim last) quantised: ``(q, scale, new meta)``."""
     name = recipe.dtype(role)
+    block = recipe.block(role)
     if recipe.delayed:
         scale, new_meta = _delayed(x2d, meta, name, recipe, axis_name)
     else:
-        block = recipe.block(role)
         amax = block_amax(x2d, block)
         if block is None:
             amax = pmax_over(amax, axis_name)
-        scale, new_meta = scale_from_amax(amax, FP8_MAX[name], recipe.margin,
-                                 recipe.power_of_2_scales, 1.0), None
-    q = quantize_with(x2d, scale, recipe.block(role), name)
-    return dequantize_fp8(q, scale, recipe.block(role)), new_meta
+        scale = scale_from_amax(amax, name, recipe.margin, recipe.power_of_2_scales, 1.0)
+        new_meta = None
+    return quantize_with(x2d, scale, block, name), scale, new_meta
 
 
-def _matmul(a, b):
-    """a (M, K) @ b (N, K)^T in float32: the emulated fp8 GEMM."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                               precision=jax.lax.Precision.HIGHEST,
+_NT = (((1,), (1,)), ((), ()))  # a (M, K) . b (N, K)^T -> (M, N)
+
+
+def _inv(scale):
+    return jnp.asarray(1, _F32) / scale
+
+
+def _gemm(qa, sa, qb, sb, block_a, block_b, dims=_NT):
+    """The GEMM of two quantised operands, in float32.
+
+    Per-tensor scales: ``dot_general`` on the fp8 operands, then one multiply of the
+    output by ``(1/scale_a) * (1/scale_b)`` (flax's ``Fp8DirectDotGeneralOp`` form,
+    which XLA's GEMM rewriter turns into one cuBLASLt fp8 GEMM on Ada/Hopper). Rowwise
+    (``dims`` must be ``_NT``): the same fp8 ``dot_general``, its output scaled per row
+    and per column. Blockwise: emulated, dequantised operands multiplied in float32.
+    """
+    if block_a is None or block_a == (1, None):
+        out = jax.lax.dot_general(qa, qb, dims, preferred_element_type=_F32)
+        if block_a is None:
+            return out * (_inv(sa) * _inv(sb))
+        return out * _inv(sa) * _inv(sb).reshape(1, -1)
+    return jax.lax.dot_general(dequantize_fp8(qa, sa, block_a), dequantize_fp8(qb, sb, block_b),
+                               dims, precision=jax.lax.Precision.HIGHEST,
                                preferred_element_type=_F32)
 
 
@@ -110,48 +131,66 @@ def _fwd_impl(x, w, state, recipe, axis_name, out_dtype):
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     st = state if state is not None else Fp8DotState(None, None, None)
-    xq, mx = _operand(x2, "input", recipe, st.input, axis_name)
-    wq, mw = _operand(w.T, "weight", recipe, st.weight, axis_name)
-    y = _matmul(xq, wq).astype(out_dtype).reshape(*x.shape[:-1], w.shape[1])
-    return y, (mx, mw)
+    bx, bw = recipe.block("input"), recipe.block("weight")
+    qx, sx, mx = _quantize(x2, "input", recipe, st.input, axis_name)
+    if bx is None:  # one scale per tensor: w quantised as it is, contracted on dim 0
+        qw, sw, mw = _quantize(w, "weight", recipe, st.weight, axis_name)
+        y = _gemm(qx, sx, qw, sw, None, None, (((1,), (0,)), ((), ())))
+    else:           # row / tile scales along the contraction dim: w.T (N, K)
+        qw, sw, mw = _quantize(w.T, "weight", recipe, None, axis_name)
+        y = _gemm(qx, sx, qw, sw, bx, bw)
+    y = y.astype(out_dtype).reshape(*x.shape[:-1], w.shape[1])
+    return y, (qx, sx, qw, sw, mx, mw)
 
 
-def _dot(x, w, state, recipe, axis_name, out_dtype):
+def _dot(x, w, state, recipe, axis_name, out_dtype, grad_dtypes):
+    del grad_dtypes
     return _fwd_impl(x, w, state, recipe, axis_name, out_dtype)[0]
 
 
-def _dot_fwd(x, w, state, recipe, axis_name, out_dtype):
-    y, metas = _fwd_impl(x, w, state, recipe, axis_name, out_dtype)
-    return y, (x, w, state, metas)
-
-
-def _dot_bwd(recipe, axis_name, out_dtype, res, g):
-    del out_dtype
-    x, w, state, (mx, mw) = res
-    k, n = w.shape
-    x2 = x.reshape(-1, k)
-    g2 = g.reshape(-1, n)
-    if recipe.delayed:
-        # One scale per tensor: quantise g once, reuse x's and w's forward scales.
-        gq, mg = _operand(g2, "grad_output", recipe, state.grad_output, axis_name)
-        xq = dequantize_fp8(quantize_with(x2, mx.scale, None, recipe.dtype("input")), mx.scale)
-        wq = dequantize_fp8(quantize_with(w, mw.scale, None, recipe.dtype("weight")), mw.scale)
-        dx = _matmul(gq, wq)             # (M, N) . (K, N)^T
-        dw = _matmul(xq.T, gq.T)         # (K, M) . (N, M)^T
-        new_state = Fp8DotState(mx, mw, mg)
+def _dot_fwd(x, w, state, recipe, axis_name, out_dtype, grad_dtypes):
+    del grad_dtypes
+    y, (qx, sx, qw, sw, mx, mw) = _fwd_impl(x, w, state, recipe, axis_name, out_dtype)
+    if recipe.block("input") is None:
+        # Per tensor: the backward GEMMs reuse the forward's fp8 operands as they are
+        # (the same bits as re-quantising x and w), so the residuals are fp8.
+        saved = (qx, sx, qw, sw)
     else:
-        # Each operand quantised with its contraction dim last, as its matmul needs it.
-        gq, _ = _operand(g2, "grad_output", recipe, None, axis_name)
-        wq, _ = _operand(w, "weight", recipe, None, axis_name)
-        dx = _matmul(gq, wq)
-        xq_t, _ = _operand(x2.T, "input", recipe, None, axis_name)
-        gq_t, _ = _operand(g2.T, "grad_output", recipe, None, axis_name)
-        dw = _matmul(xq_t, gq_t)
+        saved = (x, w)
+    return y, (saved, state, (mx, mw))
+
+
+def _dot_bwd(recipe, axis_name, out_dtype, grad_dtypes, res, g):
+    """The input and weight gradients (in ``grad_dtypes``, those of x and w)."""
+    del out_dtype
+    saved, state, (mx, mw) = res
+    n = g.shape[-1]
+    g2 = g.reshape(-1, n)
+    if recipe.block("input") is None:
+        qx, sx, qw, sw = saved
+        meta = state.grad_output if recipe.delayed else None
+        qg, sg, mg = _quantize(g2, "grad_output", recipe, meta, axis_name)
+        dx = _gemm(qg, sg, qw, sw, None, None)                                 # (M, N) . (K, N)^T
+        dw = _gemm(qx, sx, qg, sg, None, None, (((0,), (0,)), ((), ())))      # (M, K)^T . (M, N)
+        new_state = Fp8DotState(mx, mw, mg) if recipe.delayed else None
+        x_shape = (*g.shape[:-1], qx.shape[1])
+    else:
+        # Each operand quantised with its contraction dim last, as its GEMM needs it.
+        x, w = saved
+        x2 = x.reshape(-1, x.shape[-1])
+        bg, bw, bx = (recipe.block(r) for r in ("grad_output", "weight", "input"))
+        qg, sg, _ = _quantize(g2, "grad_output", recipe, None, axis_name)
+        qw, sw, _ = _quantize(w, "weight", recipe, None, axis_name)
+        dx = _gemm(qg, sg, qw, sw, bg, bw)
+        qxt, sxt, _ = _quantize(x2.T, "input", recipe, None, axis_name)
+        qgt, sgt, _ = _quantize(g2.T, "grad_output", recipe, None, axis_name)
+        dw = _gemm(qxt, sxt, qgt, sgt, bx, bg)
         new_state = None
-    return dx.astype(x.dtype).reshape(x.shape), dw.astype(w.dtype), new_state
+        x_shape = x.shape
+    return dx.astype(grad_dtypes[0]).reshape(x_shape), dw.astype(grad_dtypes[1]), new_state
 
 
-_dot = jax.custom_vjp(_dot, nondiff_argnums=(3, 4, 5))
+_dot = jax.custom_vjp(_dot, nondiff_argnums=(3, 4, 5, 6))
 _dot.defvjp(_dot_fwd, _dot_bwd)
 
 
@@ -193,8 +232,9 @@ def fp8_dot(
     Examples:
       >>> import jax, jax.numpy as jnp, mpfunc
       >>> x, w = jnp.ones((4, 8)), jnp.full((8, 3), 0.5)
-      >>> mpfunc.fp8_dot(x, w).tolist()[0]
-      [4.0, 4.0, 4.0]
+      >>> y = mpfunc.fp8_dot(x, w)   # 1s and 0.5s are exact in fp8; the output scaling
+      >>> y.shape, bool(jnp.allclose(y, x @ w, rtol=1e-6))   # rounds once in float32
+      ((4, 3), True)
       >>> s = mpfunc.fp8_dot_state("delayed")
       >>> new_s = jax.grad(lambda s: mpfunc.fp8_dot(x, w, "delayed", s).sum())(s)
       >>> float(new_s.input.amax_history[0]), float(new_s.grad_output.amax_history[0])
@@ -228,7 +268,7 @@ def fp8_dot(
     if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
     x, w = _same_varying_axes(x, w, recipe, axis_name)
-    return _dot(x, w, state, recipe, axis_name, out_dtype)
+    return _dot(x, w, state, recipe, axis_name, out_dtype, (np.dtype(x.dtype), np.dtype(w.dtype)))
 
 
 def _same_varying_axes(x, w, recipe, axis_name):

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from _mpfunc_common.fp8 import (
     FLOAT32_MIN_NORMAL,
     FP8_MAX,
+    MAX_SCALE,
+    MIN_SCALE,
     QUANTIZE_RULE,
     check_block,
     scale_shape,
@@ -27,8 +29,6 @@ __all__ = ["AxisName", "block_amax", "dequantize_fp8", "pmax_over", "quantize_fp
 
 _DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 _F32 = jnp.float32
-# Scales stay in [2**-126, 2**126], so they and their reciprocals are normal floats.
-_MIN_SCALE, _MAX_SCALE = 2.0**-126, 2.0**126
 AxisName = Hashable | Sequence[Hashable] | None
 
 
@@ -87,9 +87,9 @@ def block_amax(x: jax.Array, block) -> jax.Array:
     """max |x| per block (float32), a NaN counting as +inf.
 
     NaN is mapped to inf first because XLA's CPU reduction (the YNNPACK fusion) does not
-    propagate NaN through ``max``.
+    propagate NaN through ``max``; XLA fuses it into the reduction (one pass over x).
     """
-    a = jnp.abs(_flush(x.astype(_F32)))
+    a = jnp.abs(x.astype(_F32))
     a = jnp.where(jnp.isnan(a), jnp.asarray(jnp.inf, _F32), a)
     if block is None:
         return jnp.max(a)
@@ -97,15 +97,16 @@ def block_amax(x: jax.Array, block) -> jax.Array:
     return jnp.max(t, axis=(1, 3))
 
 
-def scale_from_amax(amax: jax.Array, fp8_max: float, margin: int, power_of_2: bool, fallback):
-    s = jnp.asarray(fp8_max, _F32) / amax
+def scale_from_amax(amax: jax.Array, name: str, margin: int, power_of_2: bool, fallback):
+    """The rule's scale of an fp8 format ``name`` from a block amax (scalar work)."""
+    s = jnp.asarray(FP8_MAX[name], _F32) / amax
     if margin:
         s = s / jnp.asarray(2.0**margin, _F32)
-    s = jnp.clip(s, jnp.asarray(_MIN_SCALE, _F32), jnp.asarray(_MAX_SCALE, _F32))
+    s = jnp.clip(s, jnp.asarray(MIN_SCALE, _F32), jnp.asarray(MAX_SCALE[name], _F32))
     if power_of_2:  # clear the mantissa: 2**floor(log2(s)), exactly (s is normal)
         bits = jax.lax.bitcast_convert_type(s, jnp.uint32) & jnp.uint32(0xFF800000)
         s = jax.lax.bitcast_convert_type(bits, _F32)
-    ok = jnp.isfinite(amax) & (amax > 0)
+    ok = jnp.isfinite(amax) & (amax >= jnp.asarray(FLOAT32_MIN_NORMAL, _F32))
     return jnp.where(ok, s, jnp.asarray(fallback, _F32))
 
 
@@ -116,13 +117,9 @@ def _cast(y: jax.Array, name: str) -> jax.Array:
     return y.astype(_DTYPES[name])
 
 
-def _flush(x: jax.Array) -> jax.Array:
-    """float32 subnormals -> 0, explicitly (XLA on CPU flushes them, on GPU it may not)."""
-    return jnp.where(jnp.abs(x) < jnp.asarray(FLOAT32_MIN_NORMAL, _F32), jnp.zeros((), _F32), x)
-
-
 def quantize_with(x: jax.Array, scale: jax.Array, block, name: str) -> jax.Array:
-    x = _flush(x.astype(_F32))
+    """``x`` quantised with given scales: one elementwise pass (XLA fuses it)."""
+    x = x.astype(_F32)
     if block is None:
         return _cast(x * scale, name)
     t, info = _tiled(_as_2d(x), block)
@@ -178,7 +175,7 @@ def quantize_fp8(
                          "row and tile scales are local to the rows they scale.")
     if scale is None:
         amax = pmax_over(block_amax(x, block), axis_name)
-        scale = scale_from_amax(amax, FP8_MAX[name], margin, power_of_2_scales, 1.0)
+        scale = scale_from_amax(amax, name, margin, power_of_2_scales, 1.0)
     else:
         scale = jnp.asarray(scale, _F32)
         want = scale_shape(x.shape, block)
@@ -204,4 +201,4 @@ def dequantize_fp8(q: jax.Array, scale: jax.Array, block=None, dtype: Any = _F32
     else:
         t, info = _tiled(_as_2d(v), block)
         out = _untiled(t * inv[:, None, :, None], info).reshape(q.shape)
-    return _flush(out).astype(dtype)
+    return out.astype(dtype)

@@ -3,10 +3,19 @@
 
 Quantisation itself is in `mpfunc_torch._src.fp8_quantize`. `fp8_linear` is an
 ``autograd.Function``: inputs and weights in the recipe's forward format, output
-gradients in its backward format. On CPU (and GPUs without fp8) each GEMM is emulated:
-dequantise, then multiply in float32. On CUDA with compute capability >= 8.9,
-per-tensor and rowwise GEMMs run on ``torch._scaled_mm``, wrapped in one place with
-torch's other private kernels (`mpfunc_torch._src.fused.scaled_mm`).
+gradients in its backward format. Per tensor (tensorwise, delayed) each operand is read
+once for its amax and once by the cast, which also writes the transposed fp8 copy the
+backward GEMM needs; the backward keeps those fp8 copies, not the inputs. Under
+``torch.compile`` (``fullgraph=True`` works) inductor fuses each cast into one kernel,
+and delayed scaling's amax may share that pass (its scale comes from the history,
+not from this amax).
+
+On CUDA with compute capability >= 8.9 tensorwise and delayed GEMMs run on
+``torch._scaled_mm`` (fast accumulation in the forward GEMM, as torchao), rowwise ones
+with compute capability >= 9.0, all through one wrapper
+(`mpfunc_torch._src.fused.scaled_mm`). Elsewhere (CPU, blockwise) each GEMM is
+emulated in float32: the fp8 values multiplied and the output scaled, as the GPU does;
+blockwise multiplies dequantised operands.
 """
 
 from __future__ import annotations
@@ -15,10 +24,11 @@ from typing import Any
 
 import torch
 
-from _mpfunc_common.fp8 import FP8_MAX, Fp8Recipe
+from _mpfunc_common.fp8 import Fp8Recipe
 from mpfunc_torch._src.fp8_quantize import (
     all_reduce_max,
     block_amax,
+    cast_pair,
     dequantize_fp8,
     quantize_with,
     scale_from_amax,
@@ -32,70 +42,119 @@ _F32 = torch.float32
 
 # ---------------------------------------------------------------- the fp8 linear
 class _Operand:
-    """One quantised GEMM operand: fp8 data, scales and their block (contraction last)."""
+    """One quantised GEMM operand: fp8 data with the contraction dim last, contiguous
+    (row-major), its float32 scales and their block."""
 
-    def __init__(self, x2d: torch.Tensor, role: str, recipe: Fp8Recipe, groups,
-                 scale: torch.Tensor | None = None):
-        name = recipe.dtype(role)
-        self.block = recipe.block(role)
-        if scale is None:
-            amax = block_amax(x2d, self.block)
-            if self.block is None:
-                amax = all_reduce_max(amax, groups)
-            scale = scale_from_amax(amax, FP8_MAX[name], recipe.margin, recipe.power_of_2_scales, 1.0)
-        self.scale = scale
-        self.q = quantize_with(x2d, scale, self.block, name)
+    __slots__ = ("q", "scale", "block")
 
-    def dequantized(self) -> torch.Tensor:
-        return dequantize_fp8(self.q, self.scale, self.block)
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block):
+        self.q, self.scale, self.block = q, scale, block
 
 
-def _gemm(a: _Operand, b: _Operand, out_dtype, use_scaled_mm: bool, bias=None):
-    """a (M, K) @ b (N, K)^T: ``torch._scaled_mm`` where it applies, else emulated."""
+def _current_scale(x2d, role: str, recipe: Fp8Recipe, groups) -> torch.Tensor:
+    """Current scaling: the amax (one reduction over ``x2d``), then the scale."""
+    block = recipe.block(role)
+    amax = block_amax(x2d, block)
+    if block is None:
+        amax = all_reduce_max(amax, groups)
+    return scale_from_amax(amax, recipe.dtype(role), recipe.margin, recipe.power_of_2_scales,
+                           1.0)
+
+
+def _quantize(x2d, role: str, recipe: Fp8Recipe, groups) -> _Operand:
+    """Row or tile scales (rowwise, blockwise): quantised along the last dim."""
+    scale = _current_scale(x2d, role, recipe, groups)
+    q = quantize_with(x2d, scale, recipe.block(role), recipe.dtype(role))
+    return _Operand(q.contiguous(), scale, recipe.block(role))
+
+
+def _quantize_pair(x2d, scale, role: str, recipe: Fp8Recipe, transposed: bool):
+    """Per-tensor scales: the fp8 copy and, if asked, its transpose (both row-major, as
+    ``_scaled_mm`` wants them), from one read of ``x2d`` (`cast_pair`)."""
+    q, q_t = cast_pair(x2d, scale, recipe.dtype(role), transposed)
+    return _Operand(q, scale, None), (_Operand(q_t, scale, None) if transposed else None)
+
+
+def _gemm(a: _Operand, b: _Operand, out_dtype, use_scaled_mm: bool, bias=None,
+          fast_accum: bool = False):
+    """a (M, K) @ b (N, K)^T: ``torch._scaled_mm`` where it applies, else emulated.
+
+    The emulation is the same computation in float32: per-tensor and rowwise GEMMs
+    multiply the fp8 values (exact in float32), accumulate, and scale the output by
+    ``1/scale_a`` and ``1/scale_b`` (as ``_scaled_mm`` and JAX's `fp8_dot` do); blockwise
+    multiplies the dequantised operands.
+    """
     if use_scaled_mm and scaled_mm_fits(a.q, b.q, a.block, out_dtype):
-        return scaled_mm(a.q, a.scale, b.q, b.scale, out_dtype, bias)
-    out = a.dequantized() @ b.dequantized().t()
+        return scaled_mm(a.q, a.scale, b.q, b.scale, out_dtype, bias, use_fast_accum=fast_accum)
+    if a.block is None or a.block == (1, None):
+        out = a.q.to(_F32) @ b.q.to(_F32).t()
+        inv_a, inv_b = torch.reciprocal(a.scale), torch.reciprocal(b.scale)
+        out = out * (inv_a * inv_b) if a.block is None else out * inv_a * inv_b.reshape(1, -1)
+    else:
+        out = dequantize_fp8(a.q, a.scale, a.block) @ dequantize_fp8(b.q, b.scale, b.block).t()
     if bias is not None:
         out = out + bias.to(_F32)
     return out.to(out_dtype)
 
 
-def _delayed_scale(x: torch.Tensor, layer, role: str, recipe: Fp8Recipe, groups):
-    """This step's scale from ``layer``'s history; updates the buffers in place."""
+def _delayed_scale(layer, role: str, recipe: Fp8Recipe) -> torch.Tensor:
+    """This step's scale, from ``layer``'s history alone (never this step's amax, so the
+    cast need not wait for a reduction over the same tensor)."""
     hist = getattr(layer, f"fp8_amax_history_{role}")
     prev = getattr(layer, f"fp8_scale_{role}")
+    used = hist.max() if recipe.amax_reduction == "max" else hist[0]
+    fallback = torch.where(torch.isfinite(prev) & (prev > 0), prev, torch.ones_like(prev))
+    return scale_from_amax(used, recipe.dtype(role), recipe.margin, recipe.power_of_2_scales,
+                           fallback)
+
+
+def _record_amax(x: torch.Tensor, scale, layer, role: str, groups) -> None:
+    """Delayed scaling's bookkeeping: this step's amax of ``x`` into the history (if
+    finite), and ``scale`` as the previous scale; buffers updated in place."""
+    hist = getattr(layer, f"fp8_amax_history_{role}")
     amax = block_amax(x, None)
     if hasattr(amax, "full_tensor"):  # a DTensor operand (tensor parallelism): its amax
         amax = amax.full_tensor()     # over the whole tensor, as the history records it
     amax = all_reduce_max(amax, groups)
-    used = hist.max() if recipe.amax_reduction == "max" else hist[0]
-    used = torch.where(torch.isfinite(used) & (used > 0), used, amax)  # no history yet
-    fallback = torch.where(torch.isfinite(prev) & (prev > 0), prev, torch.ones_like(prev))
-    scale = scale_from_amax(used, FP8_MAX[recipe.dtype(role)], recipe.margin,
-                   recipe.power_of_2_scales, fallback)
     rolled = torch.cat([amax.reshape(1), hist[:-1]])
     hist.copy_(torch.where(torch.isfinite(amax), rolled, hist))
-    prev.copy_(scale)
-    return scale
+    getattr(layer, f"fp8_scale_{role}").copy_(scale)
+
+
+def _per_tensor_scale(x2d, layer, role, recipe, groups):
+    if recipe.delayed:
+        scale = _delayed_scale(layer, role, recipe)
+        _record_amax(x2d, scale, layer, role, groups)  # independent of the cast: fusable
+        return scale
+    return _current_scale(x2d, role, recipe, groups)
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, out_dtype, use_scaled_mm):
+    def forward(ctx, x, weight, bias, layer, out_dtype, use_scaled_mm, grad_enabled):
         recipe, groups = layer.recipe, layer._groups
         x2 = x.reshape(-1, x.shape[-1])
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-            sx = sw = None
-            if recipe.delayed:
-                sx = _delayed_scale(x2, layer, "input", recipe, groups)
-                sw = _delayed_scale(weight, layer, "weight", recipe, groups)
-            qx = _Operand(x2, "input", recipe, groups, sx)
-            qw = _Operand(weight, "weight", recipe, groups, sw)
-            y = _gemm(qx, qw, out_dtype, use_scaled_mm, bias)
         per_tensor = recipe.block("input") is None
-        ctx.save_for_backward(x, weight, qx.scale if per_tensor else None,
-                              qw.scale if per_tensor else None)
+        # (needs_input_grad says True under no_grad too: no backward comes then.)
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            if per_tensor:
+                sx = _per_tensor_scale(x2, layer, "input", recipe, groups)
+                sw = _per_tensor_scale(weight, layer, "weight", recipe, groups)
+                # The backward's operands are the transposed fp8 copies, written now.
+                qx, qx_t = _quantize_pair(x2, sx, "input", recipe, need_dw)
+                qw, qw_t = _quantize_pair(weight, sw, "weight", recipe, need_dx)
+            else:
+                qx = _quantize(x2, "input", recipe, groups)
+                qw = _quantize(weight, "weight", recipe, groups)
+            y = _gemm(qx, qw, out_dtype, use_scaled_mm, bias, fast_accum=True)
+        if per_tensor:  # fp8 residuals: what the backward GEMMs read
+            ctx.save_for_backward(qx_t.q if qx_t else None, qw_t.q if qw_t else None, sx, sw)
+        else:           # re-quantised along the backward's contraction dims
+            ctx.save_for_backward(x, weight)
         ctx.layer, ctx.use_scaled_mm, ctx.has_bias = layer, use_scaled_mm, bias is not None
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         if x.dim() == 2:
             return y
         # As F.linear's matmul folding does: an output autograd does not track as a view
@@ -105,39 +164,34 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x, weight, sx, sw = ctx.saved_tensors
         layer, use_mm = ctx.layer, ctx.use_scaled_mm
         recipe, groups = layer.recipe, layer._groups
-        x2 = x.reshape(-1, x.shape[-1])
         g2 = g.reshape(-1, g.shape[-1])
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = dw = None
         with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
             if recipe.block("grad_output") is None:
-                # One scale per tensor: quantise each tensor once and transpose the fp8
-                # data (x and w keep their forward scales).
-                sg = (_delayed_scale(g2, layer, "grad_output", recipe, groups)
-                      if recipe.delayed else None)
-                qg = _Operand(g2, "grad_output", recipe, groups, sg)
-                qx = _Operand(x2, "input", recipe, groups, sx)
-                qw = _Operand(weight, "weight", recipe, groups, sw)
-                qg_t, qx_t, qw_t = (_transposed(o) for o in (qg, qx, qw))
+                qx_t, qw_t, sx, sw = ctx.saved_tensors
+                sg = _per_tensor_scale(g2, layer, "grad_output", recipe, groups)
+                qg, qg_t = _quantize_pair(g2, sg, "grad_output", recipe, need_dw)
+                if need_dx:
+                    dx = _gemm(qg, _Operand(qw_t, sw, None), ctx.x_dtype, use_mm)
+                if need_dw:
+                    dw = _gemm(qg_t, _Operand(qx_t, sx, None), ctx.w_dtype, use_mm)
             else:
                 # Each operand quantised with its contraction dim last, as its GEMM needs.
-                qg = _Operand(g2, "grad_output", recipe, groups)
-                qw_t = _Operand(weight.t(), "weight", recipe, groups)
-                qg_t = _Operand(g2.t(), "grad_output", recipe, groups)
-                qx_t = _Operand(x2.t(), "input", recipe, groups)
-            dx = _gemm(qg, qw_t, x.dtype, use_mm) if ctx.needs_input_grad[0] else None
-            dw = _gemm(qg_t, qx_t, weight.dtype, use_mm) if ctx.needs_input_grad[1] else None
-            db = g2.to(_F32).sum(0).to(weight.dtype) if ctx.has_bias else None
+                x, weight = ctx.saved_tensors
+                if need_dx:
+                    dx = _gemm(_quantize(g2, "grad_output", recipe, groups),
+                               _quantize(weight.t(), "weight", recipe, groups), ctx.x_dtype, use_mm)
+                if need_dw:
+                    dw = _gemm(_quantize(g2.t(), "grad_output", recipe, groups),
+                               _quantize(x.reshape(-1, x.shape[-1]).t(), "input", recipe, groups),
+                               ctx.w_dtype, use_mm)
+            db = g2.to(_F32).sum(0).to(ctx.w_dtype) if ctx.has_bias else None
         if dx is not None:
-            dx = dx.reshape(x.shape)
-        return dx, dw, db, None, None, None
-
-
-def _transposed(op: _Operand) -> _Operand:
-    out = _Operand.__new__(_Operand)
-    out.block, out.scale, out.q = op.block, op.scale, op.q.t()
-    return out
+            dx = dx.reshape(ctx.x_shape)
+        return dx, dw, db, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, layer: Any, out_dtype: torch.dtype | None = None,
@@ -157,4 +211,5 @@ def fp8_linear(x: torch.Tensor, layer: Any, out_dtype: torch.dtype | None = None
         dev = x.device.type
         out_dtype = (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
                      else x.dtype)
-    return _Fp8Linear.apply(x, layer.weight, layer.bias, layer, out_dtype, use_mm)
+    return _Fp8Linear.apply(x, layer.weight, layer.bias, layer, out_dtype, use_mm,
+                            torch.is_grad_enabled())

@@ -15,19 +15,20 @@ import torch.distributed as dist
 from _mpfunc_common.fp8 import (
     FLOAT32_MIN_NORMAL,
     FP8_MAX,
+    MAX_SCALE,
+    MIN_SCALE,
     QUANTIZE_RULE,
     check_block,
     scale_shape,
 )
 from mpfunc_torch._src.distributed import normalize_groups
 
-__all__ = ["all_reduce_max", "block_amax", "dequantize_fp8", "quantize_fp8", "quantize_with",
-           "scale_from_amax"]
+__all__ = ["all_reduce_max", "block_amax", "cast_pair", "dequantize_fp8", "quantize_fp8",
+           "quantize_with", "scale_from_amax"]
 
 _DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 _F32 = torch.float32
-# Scales stay in [2**-126, 2**126], so they and their reciprocals are normal floats.
-_MIN_SCALE, _MAX_SCALE = 2.0**-126, 2.0**126
+_INF = float("inf")
 # Bit patterns of (NaN, +inf, -inf): e4m3fn has no inf, so +-inf become its NaNs.
 _NONFINITE_BITS = {"float8_e4m3fn": (0x7F, 0x7F, 0xFF), "float8_e5m2": (0x7E, 0x7C, 0xFC)}
 _MANTISSA_OFF = -8388608  # 0xFF800000 as an int32: sign and exponent bits of a float32
@@ -71,52 +72,74 @@ def _untiled(t: torch.Tensor, info) -> torch.Tensor:
 
 
 def block_amax(x: torch.Tensor, block) -> torch.Tensor:
-    """max |x| per block (float32), a NaN counting as +inf (as on the JAX side)."""
-    a = _flush(x.detach().to(_F32)).abs()
-    a = torch.where(a.isnan(), torch.tensor(float("inf"), device=a.device), a)
+    """max |x| per block (float32), a NaN counting as +inf (as on the JAX side).
+
+    One pass over ``x``: ``vector_norm(ord=inf)`` is one reduction kernel (the max of
+    |x|, exact in any float dtype, propagating NaN); the NaN -> inf fix-up is on the
+    (small) result only.
+    """
+    x = x.detach()
     if block is None:
-        return a.amax() if a.numel() else torch.zeros((), device=a.device)
-    t, _ = _tiled(_as_2d(a), block)
-    return t.amax(dim=(1, 3))
+        a = (torch.linalg.vector_norm(x, _INF, dtype=_F32) if x.numel()
+             else torch.zeros((), device=x.device))
+    elif block == (1, None):
+        a = torch.linalg.vector_norm(_as_2d(x), _INF, dim=1, keepdim=True, dtype=_F32)
+    else:
+        t, _ = _tiled(_as_2d(x), block)
+        a = torch.linalg.vector_norm(t, _INF, dim=(1, 3), dtype=_F32)
+    return torch.where(a.isnan(), _INF, a)
 
 
-def scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int, power_of_2: bool,
-           fallback) -> torch.Tensor:
-    s = torch.tensor(fp8_max, dtype=_F32, device=amax.device) / amax
+def scale_from_amax(amax: torch.Tensor, name: str, margin: int, power_of_2: bool,
+                    fallback) -> torch.Tensor:
+    """The rule's scale of an fp8 format ``name`` from a block amax (scalar work)."""
+    s = torch.tensor(FP8_MAX[name], dtype=_F32, device=amax.device) / amax
     if margin:
         s = s / torch.tensor(2.0**margin, dtype=_F32, device=amax.device)
-    s = s.clamp(_MIN_SCALE, _MAX_SCALE)
+    s = s.clamp(MIN_SCALE, MAX_SCALE[name])
     if power_of_2:  # clear the mantissa: 2**floor(log2(s)), exactly (s is normal)
         s = (s.view(torch.int32) & _MANTISSA_OFF).view(_F32)
-    ok = torch.isfinite(amax) & (amax > 0)
+    ok = torch.isfinite(amax) & (amax >= FLOAT32_MIN_NORMAL)
     if not isinstance(fallback, torch.Tensor):
         fallback = torch.tensor(fallback, dtype=_F32, device=amax.device)
     return torch.where(ok, s, fallback)
 
 
 def _cast(y: torch.Tensor, name: str) -> torch.Tensor:
+    """float32 -> fp8 by the rule: one clamp, the cast (round to nearest even), and the
+    non-finite encodings selected bitwise; one elementwise expression, which inductor
+    fuses into one kernel with the multiply before it (reading ``x`` once)."""
     m = FP8_MAX[name]
-    finite = torch.isfinite(y)
-    q = torch.where(finite, y.clamp(-m, m), 0.0).to(_DTYPES[name])  # saturate
-    # torch's cast saturates inf in e4m3fn and encodes NaN differently from XLA: the
-    # non-finite bit patterns are written explicitly (the rule's encodings).
+    q = y.clamp(-m, m).to(_DTYPES[name]).view(torch.uint8)  # saturate finite values
+    # torch's eager cast saturates inf in e4m3fn, its NaN encodings differ from XLA's,
+    # and a generated kernel's cast need not match either: the non-finite bit patterns
+    # are the rule's, selected bitwise.
     nan, pos_inf, neg_inf = _NONFINITE_BITS[name]
     special = torch.where(y.isnan(), nan, torch.where(y > 0, pos_inf, neg_inf))
-    return torch.where(finite, q.view(torch.uint8), special.to(torch.uint8)).view(q.dtype)
-
-
-def _flush(x: torch.Tensor) -> torch.Tensor:
-    """float32 subnormals -> 0, as XLA computes on CPU (torch keeps them)."""
-    return torch.where(x.abs() < FLOAT32_MIN_NORMAL, 0.0, x)
+    return torch.where(torch.isfinite(y), q, special.to(torch.uint8)).view(_DTYPES[name])
 
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor, block, name: str) -> torch.Tensor:
-    x = _flush(x.detach().to(_F32))
+    """``x`` quantised with given float32 scales (shape of `scale_shape`)."""
+    x = x.detach()
     if block is None:
-        return _cast(x * scale, name)
+        return _cast(x.to(_F32) * scale, name)
     t, info = _tiled(_as_2d(x), block)
-    q = _cast(t * scale[:, None, :, None], name)
+    q = _cast(t.to(_F32) * scale[:, None, :, None], name)
     return _untiled(q, info).reshape(x.shape)
+
+
+def cast_pair(x: torch.Tensor, scale: torch.Tensor, name: str,
+              transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` (2-D) quantised with one per-tensor ``scale``, and its transpose as a
+    row-major copy (``transposed=True``): the layouts ``torch._scaled_mm`` takes.
+
+    One multiply, one clamp and the cast, elementwise: under ``torch.compile`` inductor
+    fuses them into a kernel that reads ``x`` once and writes both fp8 copies (the
+    transposed one is the same bits, so the backward needs no second read of ``x``).
+    """
+    q = _cast(x.detach().to(_F32) * scale, name)
+    return q.contiguous(), (q.t().contiguous() if transposed else None)
 
 
 def quantize_fp8(
@@ -169,7 +192,7 @@ def quantize_fp8(
                          "row and tile scales are local to the rows they scale.")
     if scale is None:
         amax = all_reduce_max(block_amax(x, block), groups)
-        scale = scale_from_amax(amax, FP8_MAX[name], margin, power_of_2_scales, 1.0)
+        scale = scale_from_amax(amax, name, margin, power_of_2_scales, 1.0)
     else:
         scale = torch.as_tensor(scale, dtype=_F32, device=x.device)
         want = scale_shape(tuple(x.shape), block)
@@ -197,4 +220,4 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block=None,
     else:
         t, info = _tiled(_as_2d(v), block)
         out = _untiled(t * inv[:, None, :, None], info).reshape(q.shape)
-    return _flush(out).to(dtype)
+    return out.to(dtype)

@@ -191,22 +191,29 @@ def step_with_found_inf_(optimizer: torch.optim.Optimizer, grad_scale, found_inf
 
 
 # ------------------------------------------------------------------ torch._scaled_mm
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def scaled_mm_available(device: torch.device) -> bool:
     """True on CUDA devices with compute capability >= 8.9 (Ada, Hopper and newer)."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device) >= (8, 9)
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype, bias: torch.Tensor | None = None, *,
+              use_fast_accum: bool = False) -> torch.Tensor:
     """``dequantize_fp8(a) @ dequantize_fp8(b).T`` on ``torch._scaled_mm`` (the one call site).
 
-    ``a`` is ``(M, K)`` and ``b`` ``(N, K)``, both fp8 with the contraction dim last;
-    ``a_scale``/``b_scale`` are `quantize_fp8`'s scales: 0-dim (tensorwise) or ``(M, 1)`` /
-    ``(N, 1)`` (rowwise). ``_scaled_mm`` wants a row-major ``a``, a column-major second
+    ``a`` is ``(M, K)`` and ``b`` ``(N, K)``, both fp8 with the contraction dim last and
+    row-major (the callers write them so; ``.contiguous()`` is then free);
+    ``a_scale``/``b_scale`` are `quantize_fp8`'s scales: 0-dim (tensorwise) or ``(M, 1)``
+    / ``(N, 1)`` (rowwise). ``_scaled_mm`` wants a row-major ``a``, a column-major second
     operand (``b.T`` of a row-major ``b``) and the reciprocal scales; rowwise needs a
     bfloat16 output, so another ``out_dtype`` is that bfloat16 result cast; a bias is
-    fused only into a 16-bit output.
+    fused only into a 16-bit output. ``use_fast_accum``: cuBLASLt's fast fp8
+    accumulation (torchao uses it for the forward GEMM only).
     """
     a = a.contiguous()
     b = b.contiguous()
@@ -220,16 +227,24 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     # cuBLASLt takes a bias only in a 16-bit type; a float32 result adds it afterwards.
     fused_bias = bias is not None and mm_dtype in (torch.bfloat16, torch.float16)
     out = torch._scaled_mm(a, b.t(), inv_a, inv_b, out_dtype=mm_dtype,
-                           bias=bias.to(mm_dtype) if fused_bias else None)
+                           bias=bias.to(mm_dtype) if fused_bias else None,
+                           use_fast_accum=use_fast_accum)
     if bias is not None and not fused_bias:
         out = out + bias.to(out.dtype)
     return out.to(out_dtype)
 
 
 def scaled_mm_fits(a: torch.Tensor, b: torch.Tensor, block, out_dtype) -> bool:
-    """Whether `scaled_mm` takes these fp8 operands (``block``: the recipe's, for ``a``)."""
+    """Whether `scaled_mm` takes these fp8 operands (``block``: the recipe's, for ``a``).
+
+    Tensorwise everywhere ``_scaled_mm`` runs; rowwise on CUDA only with compute
+    capability >= 9.0 (the rowwise kernels are Hopper's; on Ada it is emulated) and on
+    CPU (torch's reference kernel, for tests); blockwise never (emulated).
+    """
     if block is not None and block != (1, None):
         return False  # blockwise: emulated (its cuBLAS kernels are not wrapped yet)
+    if block == (1, None) and a.device.type == "cuda" and _capability(a.device) < (9, 0):
+        return False
     if a.dtype == b.dtype == torch.float8_e5m2:
         return False  # cuBLASLt has no e5m2 x e5m2 GEMM (format="e5m2"): emulated
     k, n = a.shape[1], b.shape[0]
