@@ -56,7 +56,8 @@ QUANTIZE_RULE = """\
     tiles of inputs and output gradients and 128x128 tiles of weights (blockwise). All
     arithmetic is float32 (a bfloat16/float16 input is upcast exactly first). Nothing
     is flushed: the scale range below makes every result the same whether or not the
-    hardware flushes float32 subnormals (XLA on CPU does, torch does not).
+    hardware flushes float32 subnormals (XLA on CPU does, torch does not). Step by
+    step::
 
         amax  = max(|x|) over the block          # a NaN counts as +inf
         if amax is finite and amax >= 2**-126:   # a subnormal amax counts as zero
@@ -92,7 +93,7 @@ QUANTIZE_RULE = """\
 
     Delayed scaling (per tensor) keeps an amax history (newest first, length
     ``amax_history_len``) and the last scale; this step's scale comes from them alone
-    (as in TransformerEngine and flax), so the cast never waits for this step's amax:
+    (as in TransformerEngine and flax), so the cast never waits for this step's amax::
 
         amax_used = max(history)  (or history[0] with amax_reduction="most_recent")
         scale = rule above with amax_used, fallback = the previous scale
