@@ -48,7 +48,9 @@ README = ROOT / "README.md"
 PAGES = [README] + sorted(p for p in (ROOT / "docs").glob("*.md"))
 
 _DIRECTIVE = re.compile(r"<!--\s*readme-test:\s*(.*?)-->", re.S)
-_FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+# A fence: ``` then an optional language and, for MyST directives, arguments
+# (```{include} ../BENCHMARKS.md).
+_FENCE = re.compile(r"^(\s*)```(\S*)(?:\s.*)?$")
 
 
 @dataclasses.dataclass
