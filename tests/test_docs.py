@@ -61,3 +61,24 @@ def test_a_reader_sees_the_pages_and_the_search_box_works(site, tmp_path):
     assert screenshots.check(site, tmp_path) == []
     for name in screenshots.PAGES:
         assert (tmp_path / f"docs-{name}.png").stat().st_size > 10_000
+
+
+def test_the_readme_is_a_front_door():
+    # At most 250 lines, and every page it links to exists (the rest lives in docs/).
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    links = re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", text)
+    assert links and all((ROOT / link).exists() for link in links), links
+    for page in ("getting-started", "modes", "loss-scaling", "precision-report",
+                 "autocast-policies", "flax", "fp8", "pytorch", "scaling-out",
+                 "checkpoints", "migration", "known-limits"):
+        assert f"docs/{page}.md" in links, page
+
+
+def test_every_page_is_in_the_site_navigation():
+    index = (ROOT / "docs" / "index.md").read_text()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.stem != "index":
+            assert f"\n{page.stem}\n" in index, page.name

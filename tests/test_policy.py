@@ -323,7 +323,7 @@ def test_float64_policy_round_trips():
 def readme_jmp_table():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "migration.md").read_text()
     body = text.split("<!-- jmp-policy-table -->")[1].split("<!-- /jmp-policy-table -->")[0]
     rows = []
     for line in body.strip().splitlines()[2:]:  # skip the header and the rule
@@ -336,12 +336,13 @@ def test_readme_jmp_table_is_complete():
     names = {jmp_expr.split("(")[0] for jmp_expr, _ in readme_jmp_table()}
     for name in ("jmp.get_policy", "jmp.Policy", "jmp.half_dtype", "jmp.cast_to_half",
                  "jmp.cast_to_full"):
-        assert name in names, f"README's coming-from-jmp table lacks {name}"
+        assert name in names, f"the docs' coming-from-jmp table lacks {name}"
 
 
 @pytest.mark.parametrize("jmp_expr, ours_expr", readme_jmp_table())
 def test_readme_jmp_table_rows_agree_with_jmp(jmp_expr, ours_expr, jmp):
-    """Each row of README's "coming from jmp" table: both sides run and agree."""
+    """Each row of the "coming from jmp" table (docs/migration.md): both sides run and
+    agree."""
     tree = {"w": jnp.ones((2, 3)), "h": jnp.ones(2, jnp.float16), "step": jnp.int32(3),
             "key": jax.random.key(0)}
     env = {"jmp": jmp, "mpfunc": mpfunc, "jnp": jnp, "tree": tree}

@@ -1,4 +1,4 @@
-"""The README's Colossal-AI migration table runs: each row's torch and JAX lines give the
+"""The Colossal-AI migration table (docs/migration.md) runs: each row's torch and JAX lines give the
 plan that its Colossal-AI line asks for (read by tests/colossal_seed.py from the seed
 tutorials, not from mpfunc's table)."""
 
@@ -17,12 +17,12 @@ import mpfunc
 import mpfunc_torch
 from _mpfunc_common.amp_config import resolve_amp
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "migration.md"
 HEADER = "| Colossal-AI | mpfunc_torch | mpfunc (JAX) |"
 
 
 def table_rows():
-    lines = README.read_text().splitlines()
+    lines = PAGE.read_text().splitlines()
     start = lines.index(HEADER) + 2  # skip the header and the --- line
     rows = []
     for line in lines[start:]:
