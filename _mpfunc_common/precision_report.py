@@ -40,7 +40,7 @@ LEAF_RULE = """\
     nonfinite = any(not isfinite(a))                     # MAX over shards
     amax = max(a where isfinite(a), initial=0)           # float32; MAX over shards
     zeros = count(a == 0)                                # these three: SUM over shards
-    underflows = count(a != 0 and a * loss_scale <= tiny(dtype) / 2)
+    underflows = count(a != 0 and a <= float32(tiny(dtype) / 2) / loss_scale)
     size = count(a)
     # on the host, from those numbers (shared code, so both frameworks agree bit for bit)
     zero_fraction = zeros / size                         # 0.0 for an empty leaf
@@ -48,8 +48,11 @@ LEAF_RULE = """\
     headroom_bits = log2(max(dtype) / (amax * loss_scale))   # inf when amax == 0
 
     tiny(dtype) is dtype's smallest subnormal: a scaled value at or below half of it
-    rounds to 0 in dtype (round to nearest, ties to even). A negative headroom means the
-    scaled gradient no longer fits in dtype: it would overflow to inf.
+    rounds to 0 in dtype (round to nearest, ties to even); the threshold is divided by
+    the scale once, in float32. A negative headroom means the scaled gradient no longer
+    fits in dtype: it would overflow to inf. Zeros are counted by their bits: XLA on
+    CPU reads a float32 subnormal as 0 in arithmetic, torch does not, so such a value
+    is an underflow (not a zero) in both.
 """
 
 
@@ -61,28 +64,23 @@ class FloatFormat:
       name: the dtype's name (``"float16"``).
       max: its largest finite value.
       tiny: its smallest positive (subnormal) value.
-      shift: a power of two that the device code multiplies the scale by, and the
-        threshold ``tiny / 2`` with it, so that the threshold is a normal float32 (XLA on
-        CPU flushes float32 subnormals to 0; torch does not). The comparison is exact
-        either way.
     """
 
     name: str
     max: float
     tiny: float
-    shift: float = 1.0
 
     @property
     def threshold(self) -> float:
-        """``tiny / 2 * shift``: the device code counts ``a * (scale * shift) <= this``."""
-        return self.tiny / 2 * self.shift
+        """``tiny / 2``: a scaled value at or below it rounds to 0 in this format."""
+        return self.tiny / 2
 
 
 FORMATS = {
     f.name: f for f in (
         FloatFormat("float16", 65504.0, 2.0**-24),
-        FloatFormat("bfloat16", 3.3895313892515355e38, 2.0**-133, 2.0**24),
-        FloatFormat("float32", 3.4028234663852886e38, 2.0**-149, 2.0**40),
+        FloatFormat("bfloat16", 3.3895313892515355e38, 2.0**-133),
+        FloatFormat("float32", 3.4028234663852886e38, 2.0**-149),
         FloatFormat("float8_e4m3fn", 448.0, 2.0**-9),
         FloatFormat("float8_e5m2", 57344.0, 2.0**-16),
     )

@@ -27,10 +27,8 @@ def reference_row(name, g, scale, dtype):
     amax = float(a[finite].max()) if finite.any() else 0.0
     zeros = int(np.sum(a.view(np.int32) == 0))
     nonzero = a.size - zeros
-    # The real product a * scale against tiny / 2, in float64 (exact for the
-    # power-of-two scales used here; the device multiplies in float32).
-    scaled = a.astype(np.float64) * np.float64(np.float32(scale))
-    under = int(np.sum((a.view(np.int32) != 0) & (scaled <= fmt.tiny / 2)))
+    threshold = np.float32(np.float32(fmt.tiny / 2) / np.float32(scale))
+    under = int(np.sum((a.view(np.int32) != 0) & (a <= threshold)))
     top = amax * float(np.float32(scale))
     return {
         "name": name,
@@ -191,6 +189,26 @@ def test_under_plain_jit_sharded_leaves_need_no_axis_name():
     g = jax.device_put(jnp.ones((16, 8)).at[15, 7].set(jnp.nan),
                        NamedSharding(m, P("data", "model")))
     report = jax.jit(lambda g: mpfunc.precision_report({"w": g}))(g)
+    assert report.nonfinite_paths() == ["['w']"] and int(report.sizes[0]) == 128
+
+
+def test_one_pass_per_leaf_and_no_gradient_moves_under_plain_jit():
+    # One variadic reduction per leaf where the leaf is whole on each device; four plain
+    # ones where XLA partitions it (it would all-gather a variadic reduction's operand).
+    grads = {"a": jnp.ones((8, 4)), "b": jnp.ones(4)}
+    assert jax.jit(mpfunc.precision_report).lower(grads).as_text().count(
+        "stablehlo.reduce") == 2
+    m = mesh()
+    w = jax.device_put(jnp.ones((16, 8)), NamedSharding(m, P("data", "model")))
+    x = jax.device_put(jnp.ones((4, 8)), NamedSharding(m, P()))
+
+    def f(w, x):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w.T)))(w)
+        return mpfunc.precision_report({"w": g.at[0, 0].set(jnp.inf)})
+
+    compiled = jax.jit(f).lower(w, x).compile()
+    assert "all-gather" not in compiled.as_text()
+    report = compiled(w, x)
     assert report.nonfinite_paths() == ["['w']"] and int(report.sizes[0]) == 128
 
 
