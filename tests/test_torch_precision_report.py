@@ -350,3 +350,60 @@ def test_fsdp2_an_inf_in_one_ranks_shard_is_named_on_every_rank(mode):
         assert r["stepped"] is False
         assert r["skip_leaves"] == ["2.weight"], r
         assert r["sizes"]["2.weight"] == 4 * 16, r  # summed over the shards
+
+
+# --- what the skip record costs --------------------------------------------------------
+
+def test_per_gradient_flags_come_from_the_same_check_bit_for_bit():
+    from mpfunc_torch._src import fused
+
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3), torch.randn(4).half(), torch.randn(2, 2)]
+    grads[1][2] = float("nan")
+    copies = [g.clone() for g in grads]
+    found, flags = torch.zeros(()), torch.zeros(3)
+    fused.unscale_and_check_(grads, found, torch.tensor(0.25), flags)
+    plain_found = torch.zeros(())
+    fused.unscale_and_check_(copies, plain_found, torch.tensor(0.25))
+    assert flags.tolist() == [0.0, 1.0, 0.0] and found.item() == plain_found.item() == 1.0
+    for a, b in zip(grads, copies):
+        assert torch.equal(a.view(-1)[:2], b.view(-1)[:2]) and a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("mode", ["torch", "naive"])
+@pytest.mark.parametrize("fused_opt", [False, True])
+def test_a_clean_step_reads_each_gradient_once_for_the_check_and_the_record(mode, fused_opt,
+                                                                              monkeypatch):
+    # The record adds no pass over the gradients on a clean step: the fused path takes
+    # its flags from the check itself, the host-decided path only reads them on a skip.
+    net, model, opt, crit = convert(mode, fused=fused_opt)
+    backward(model, opt, crit)
+    backward(model, opt, crit)
+    opt.step()  # warm
+    elements = []
+    kernel = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def counting(tensors, found, inv):
+        elements.append(sum(t.numel() for t in tensors))
+        return kernel(tensors, found, inv)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", counting)
+    backward(model, opt, crit)
+    assert opt.step()
+    assert sum(elements) == sum(p.numel() for p in net.parameters())
+
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_watch_sees_every_kind_of_nonfinite_output(bad, dtype):
+    class Plant(torch.nn.Module):
+        def forward(self, x):
+            return x.clone().index_fill_(1, torch.tensor([2]), bad)
+
+    net = torch.nn.Sequential(torch.nn.Identity(), Plant(), torch.nn.Identity()).to(dtype)
+    watch = mpfunc_torch.watch_nonfinite(net)
+    net(torch.ones(3, 4, dtype=dtype))
+    assert watch.first_nonfinite_module() == "1"
+    net(torch.ones(3, 4, dtype=dtype) * 2)[0:0]  # a new forward, the same answer
+    assert watch.snapshot(torch.device("cpu"))[1].tolist() == [False, True, True, True]

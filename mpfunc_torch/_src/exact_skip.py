@@ -34,7 +34,11 @@ from mpfunc_torch._src.clipping import global_zero_count
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.grads import check_, grads_of
 from mpfunc_torch._src.master_weights import copy_masters_to_model_
-from mpfunc_torch._src.precision_report import skip_flags_every_step_, skip_flags_on_skip_
+from mpfunc_torch._src.skip_record import (
+    new_step_flags,
+    skip_flags_every_step_,
+    skip_flags_on_skip_,
+)
 from mpfunc_torch._src.wrapped_optimizer import mark_step_called
 
 __all__ = ["exact_step_", "step_in_kernel_", "take_or_drop_"]
@@ -42,16 +46,18 @@ __all__ = ["exact_step_", "step_in_kernel_", "take_or_drop_"]
 
 def step_in_kernel_(optimizer: torch.optim.Optimizer, owned: Sequence[torch.Tensor],
                     grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
-                    groups: Sequence, before_step: Any = None) -> None:
+                    groups: Sequence, before_step: Any = None,
+                    flags: torch.Tensor | None = None) -> None:
     """Checks the still-scaled grads of ``owned``, reduces the flag over ``groups``, and
     lets the fused ``optimizer`` unscale by ``grad_scale``, step and skip on the flag.
 
     Pass 1 is a check only (inverse scale 1); pass 2 is the optimizer's kernel, which
     also undoes its step count where it skipped. ``found_inf`` holds the flag after.
-    ``before_step`` (no arguments) runs between the two, on the reduced flag.
+    ``before_step`` (no arguments) runs between the two, on the reduced flag; ``flags``
+    (one per gradient) gets each gradient's own flag from the check.
     """
     found_inf.zero_()
-    check_(grads_of(owned), found_inf)
+    check_(grads_of(owned), found_inf, flags)
     all_reduce_found_inf_(found_inf, groups)  # the path ShardedGradScaler misses
     if before_step is not None:
         before_step()
@@ -107,12 +113,14 @@ def exact_step_(opt, scaled: bool) -> torch.Tensor:
     found = opt._found_inf
     plan = opt.plan
     # Which params make a step skip (scale_metrics(skip_leaves=True)): recorded on the
-    # device every step where the host never reads the flag, else only on a skip.
+    # device every step where the host never reads the flag (from the check's own
+    # per-gradient flags), else only on a skip.
     every_step = opt._fused and not host_skip
     if opt._kernel_unscales and scaled and not host_skip:
         step_in_kernel_(opt.optimizer, opt._owned,
                         scaler.scale if scaler.kind != "none" else None, found, opt._groups,
-                        before_step=lambda: skip_flags_every_step_(opt, found))
+                        before_step=lambda: skip_flags_every_step_(opt, found),
+                        flags=new_step_flags(opt))
         return found
     chunked = None
     if opt._step_chunks > 1 and scaled:

@@ -34,8 +34,8 @@ from mpfunc_torch._src.model import (
 )
 from mpfunc_torch._src.model_load import guard_model_loads
 from mpfunc_torch._src.optimizer import AmpOptimizer
-from mpfunc_torch._src.precision_report import attach_model
 from mpfunc_torch._src.sharding import check_fsdp_units
+from mpfunc_torch._src.skip_record import attach_model
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
 

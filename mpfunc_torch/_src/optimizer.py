@@ -34,9 +34,10 @@ from mpfunc_torch._src.master_weights import (
     release_master_grads_,
     swap_in_masters_,
 )
-from mpfunc_torch._src.precision_report import optimizer_report, skip_names
+from mpfunc_torch._src.precision_report import optimizer_report
 from mpfunc_torch._src.sharding import mesh_groups
 from mpfunc_torch._src.shared_scale import SharedScale
+from mpfunc_torch._src.skip_record import new_step_flags, skip_names
 from mpfunc_torch._src.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["AmpOptimizer"]
@@ -310,7 +311,7 @@ class AmpOptimizer(WrappedOptimizer):
             # Re-check what step() will use: a gradient may have changed since its
             # backward (e.g. a manual all-reduce).
             coalesce_sparse_(self._owned)
-            check_(grads_of(self._owned), found)
+            check_(grads_of(self._owned), found, new_step_flags(self))
             all_reduce_found_inf_(found, self._groups)
             for f in self._found_inf_per_loss:
                 all_reduce_found_inf_(f, self._groups)
@@ -320,7 +321,7 @@ class AmpOptimizer(WrappedOptimizer):
             coalesce_sparse_(self._owned)
             scaler = self._scalers[0]
             unscale_checked_(grads_of(self._owned), found, inv_scale_or_none(scaler),
-                             scaler.may_go_below_one)
+                             scaler.may_go_below_one, new_step_flags(self))
             all_reduce_found_inf_(found, self._groups)
             self._found_inf_per_loss[0].copy_(found)
         self._stage = _UNSCALED
