@@ -3,11 +3,12 @@
 Runs, in order: the JAX loss-scale overhead (plain Adam / mpfunc / lax.cond variant /
 manual jmp-style loop), what an exact skip costs in peak memory, compile time and step
 time (every scaling form and mode, three depths), the torch modes (fp32 / raw
-torch.amp / every mpfunc_torch mode), the torch master-weight step peak memory
-(bytes/param at the allocator), the unscale-and-check bandwidth, the JAX FSDP bytes per
-device and the torch FSDP2 bytes per rank, and (with ``--device cuda`` only) fp8 against
-bf16 step throughput, as ``fp8.<framework>.<recipe>.<d>.speed_vs_bf16``. Each section
-records its device, software versions, the command and the date.
+torch.amp / every mpfunc_torch mode), the precision report's cost per step, the torch
+master-weight step peak memory (bytes/param at the allocator), the unscale-and-check
+bandwidth, the JAX FSDP bytes per device and the torch FSDP2 bytes per rank, and (with
+``--device cuda`` only) fp8 against bf16 step throughput, as
+``fp8.<framework>.<recipe>.<d>.speed_vs_bf16``. Each section records its device,
+software versions, the command and the date.
 
     python benchmarks/run.py [--device cpu|cuda] [--out out]
 """
@@ -28,6 +29,7 @@ import fp8  # noqa: E402
 import jax_loss_scale  # noqa: E402
 import jax_scale_cost  # noqa: E402
 import jax_sharding  # noqa: E402
+import precision_report  # noqa: E402
 import torch_memory  # noqa: E402
 import torch_modes  # noqa: E402
 import torch_sharding  # noqa: E402
@@ -60,6 +62,12 @@ def main(argv=None):
     results["torch_modes"] = r
     sections.append("## torch modes\n\nCommand: `python benchmarks/torch_modes.py "
                     f"--device {args.device}`\n\n{torch_modes.to_markdown(r)}")
+
+    r = precision_report.main(["--device", args.device])
+    results["precision_report"] = r
+    sections.append("## Precision report every step (issue 32)\n\nCommand: `python "
+                    f"benchmarks/precision_report.py --device {args.device}`\n\n"
+                    f"{precision_report.to_markdown(r)}")
 
     r = torch_memory.main(["--rounds", "3"])  # CPU: the allocator is profiled on the host
     results["torch_memory"] = r

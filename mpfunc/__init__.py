@@ -38,6 +38,7 @@ from mpfunc._src.loss_scale import (
 )
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
+from mpfunc._src.nonfinite_watch import NonfiniteWatch, watch_nonfinite
 from mpfunc._src.policy import (
     Policy,
     cast_floating,
@@ -46,6 +47,7 @@ from mpfunc._src.policy import (
     get_policy,
     half_dtype,
 )
+from mpfunc._src.precision_report import PrecisionReport, precision_report
 from mpfunc._src.scale_state import (
     LossScaleState,
     ScaledValueAndGrad,
@@ -73,7 +75,9 @@ __all__ = [
     "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",
+    "NonfiniteWatch",
     "Policy",
+    "PrecisionReport",
     "ScaledValueAndGrad",
     "all_finite",
     "autocast",
@@ -96,6 +100,7 @@ __all__ = [
     "loss_scale",
     "master_weights",
     "nnx_apply_policy",
+    "precision_report",
     "no_scale",
     "norm_classes",
     "quantize_fp8",
@@ -104,4 +109,5 @@ __all__ = [
     "state_sharding",
     "static_scale",
     "value_and_grad",
+    "watch_nonfinite",
 ]

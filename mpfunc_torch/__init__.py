@@ -31,7 +31,9 @@ from mpfunc_torch._src.fp8_quantize import dequantize_fp8, quantize_fp8
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.model import AmpCriterion, AmpModel, is_norm_module
 from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
+from mpfunc_torch._src.nonfinite_watch import NonfiniteWatch, watch_nonfinite
 from mpfunc_torch._src.optimizer import AmpOptimizer
+from mpfunc_torch._src.precision_report import PrecisionReport, precision_report
 
 __version__ = "0.1.0"
 
@@ -48,6 +50,8 @@ __all__ = [
     "Fp8Linear",
     "Fp8Recipe",
     "LossScaler",
+    "NonfiniteWatch",
+    "PrecisionReport",
     "backward",
     "boost",
     "checkpoint_context_fn",
@@ -58,6 +62,8 @@ __all__ = [
     "get_state_dict",
     "is_norm_module",
     "mark_replicated",
+    "precision_report",
     "quantize_fp8",
     "set_state_dict",
+    "watch_nonfinite",
 ]

@@ -20,7 +20,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 # Entry points of the multi-process tests (run as scripts, never imported).
 collect_ignore = ["mp_jax_worker.py", "torch_dist_worker.py", "torch_scaleout_worker.py",
-                  "torch_combos_worker.py"]
+                  "torch_combos_worker.py", "torch_report_worker.py"]
 
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=200, deadline=None)

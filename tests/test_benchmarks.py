@@ -65,6 +65,20 @@ def test_jax_loss_scale(tmp_path):
     assert r["compile_problems"] == []
 
 
+def test_precision_report(tmp_path):
+    out = tmp_path / "r.json"
+    run_script("precision_report.py", "--batch", "8", "--width", "32", "--rounds", "1",
+               "--iters", "1", "--depth", "1", "--torch-width", "32", "--torch-batch", "4",
+               "--torch-iters", "1", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert set(r["jax"]["median_step_ms"]) == {"plain", "mpfunc", "+ report",
+                                               "+ report + watch"}
+    for mode in ("torch", "bf16"):
+        times = r["torch"]["modes"][mode]["median_step_ms"]
+        assert set(times) == {"mpfunc", "mpfunc, no skip record", "+ report",
+                              "+ report + watch"} and min(times.values()) > 0
+
+
 def test_torch_memory(tmp_path):
     out = tmp_path / "r.json"
     run_script("torch_memory.py", "--width", "64", "--depth", "3", "--batch", "4",

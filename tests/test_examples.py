@@ -52,6 +52,22 @@ def test_flax_policies():
     assert "NNX: matmuls ['bf16 x bf16', 'bf16 x bf16'] | output float32" in out
 
 
+def test_find_overflow(tmp_path):
+    out = run("find_overflow.py", "--out", str(tmp_path))
+    for framework in ("torch", "jax"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"{framework}: ")
+                    and "skipped steps" in ln)
+        # The layer with the large weight is named at every outlier batch (steps 5, 13,
+        # 21 of 24), and no module at the skips where only gradients overflowed.
+        assert "(steps 5, 13, 21) the forward watch names fc2 as the first non-finite " \
+               "module: True" in line, line
+        assert line.endswith("the forward was finite (only gradients overflowed): True"), line
+        assert f"{framework} step   5: skipped; first non-finite module in the forward: " \
+               "fc2; non-finite gradients: 8 of 8" in out
+    assert "first non-finite module in the forward: fc2" in out.split("precision report:")[1]
+    assert (tmp_path / "find_overflow.png").stat().st_size > 10_000
+
+
 def test_shard_map_parallel():
     out = run("shard_map_parallel.py")
     assert "inf goes into the w1 gradient shard of model column 1 (4 of the 8 devices" in out

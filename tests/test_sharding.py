@@ -123,13 +123,15 @@ def test_fsdp_state_follows_params_trains_like_one_device_and_skips_together(mod
         if n == 8:
             # The compiled step's outputs keep every state leaf with its parameter: no
             # replicated copy of masters or moments, scalars (scale, counts) replicated.
+            # (The skip record, one bool per param leaf, is replicated like a scalar.)
             out_params, out_state = compiled.output_shardings[:2]
+            small = lambda leaf, r=state.skip_leaves: leaf.ndim == 0 or leaf is r  # noqa: E731
             for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
-                assert want.spec == (P("data") if leaf.ndim else P()), want
+                assert want.spec == (P() if small(leaf) else P("data")), want
             for got, want, leaf in zip(jax.tree.leaves(out_state), jax.tree.leaves(shardings),
                                        jax.tree.leaves(state)):
                 assert got.is_equivalent_to(want, leaf.ndim), (got, want)
-                assert leaf.ndim == 0 or not got.is_fully_replicated
+                assert small(leaf) or not got.is_fully_replicated
             for got, leaf in zip(jax.tree.leaves(out_params), jax.tree.leaves(params)):
                 assert got.is_equivalent_to(NamedSharding(mesh, P("data")), leaf.ndim)
         losses, scales = [], []
@@ -222,9 +224,10 @@ def test_every_other_mode_keeps_state_sharded_and_skips_together(mode, cfg):
     after = jax.tree.map(shards, (params, state.inner_state))
     for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)
+    record = state.skip_leaves  # one bool per param leaf (precision report): replicated
     for leaf, want in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
-        assert leaf.ndim == 0 or not leaf.sharding.is_fully_replicated
+        assert leaf.ndim == 0 or leaf is record or not leaf.sharding.is_fully_replicated
 
 
 def test_master_weight_bytes_per_device_shrink_with_mesh_size():

@@ -6,7 +6,6 @@ over process groups).
 
 from __future__ import annotations
 
-import functools
 import numbers
 import re
 from collections.abc import Hashable, Sequence
@@ -17,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["AxisName", "all_finite", "check_axis_name", "nonfinite_count", "finite_from_count",
-           "unbound_axis_error"]
+__all__ = ["AxisName", "all_finite", "check_axis_name", "finite_and_flags",
+           "finite_from_count", "nonfinite_count", "nonfinite_leaf_flags", "unbound_axis_error"]
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -79,49 +78,82 @@ def _group_key(path, x) -> tuple:
     return role, tuple(x.shape), x.dtype, str(jax.typeof(x).sharding), _varying_axes(x)
 
 
-def _group_has_nonfinite(xs: list) -> jax.Array:
-    """Whether any of the equally shaped ``xs`` holds an inf or NaN, as a bool scalar.
+def _group_last_bad(xs: list) -> jax.Array:
+    """Which of the equally shaped ``xs`` (at most 16) holds an inf or NaN, as a uint8
+    scalar: 0 if none does, else ``i + 1`` for the last such ``xs[i]``.
 
-    ``max(where(isfinite(x1) & isfinite(x2) & ..., 0, 1)) > 0`` in uint8: the elementwise
-    part fuses into one XLA kernel over every leaf of the group, and the reduction is one
-    more, over one byte per element of *one* leaf. Measured alternatives: a boolean
-    ``any`` compiles to a ``pred`` array, a transposed copy and a windowed reduction;
-    ``lax.select`` between two ``lax.full_like`` arrays (instead of ``jnp.where`` with
-    scalars) left XLA:CPU a strided transpose of a float16 model's weight gradients in
-    the check (1.25x plain Adam's step; a test pins that the check adds no transpose);
-    ``max(|x|)`` would skip the ``isfinite``, but XLA:CPU's float max reduction drops NaN
-    (a test pins that every NaN and inf is seen).
+    Elementwise, a balanced tree combines each pair of ``(finite, index)`` into
+    ``(finite_l & finite_r, index_r if not finite_r else index_l)``; then
+    ``max(where(finite, 0, index))`` in uint8. The elementwise part fuses into one XLA
+    kernel over every leaf of the group, and the reduction is one more, over one byte
+    per element of *one* leaf: the check's kernels, now naming a leaf. It is zero exactly
+    when every leaf is finite (the skip decision).
+
+    Measured alternatives: a boolean ``any`` compiles to a ``pred`` array, a transposed
+    copy and a windowed reduction; ``lax.select`` between two ``lax.full_like`` arrays
+    (instead of ``jnp.where`` with scalars) left XLA:CPU a strided transpose of a float16
+    model's weight gradients in the check (1.25x plain Adam's step); so did a
+    ``where(isfinite(x_i), 0, i + 1)`` per leaf combined by selects (24 transposes
+    against plain Adam's 16 here), and combined by an elementwise max it took the step's
+    peak from 1.005x to 1.059x plain Adam's (tests pin both); ``max(|x|)`` would skip the
+    ``isfinite``, but XLA:CPU's float max reduction drops NaN (a test pins that every
+    NaN and inf is seen). A bit per leaf OR-ed together would name every bad leaf, but
+    XLA's SPMD partitioner (plain ``jit`` over sharded gradients) has no all-reduce for
+    an OR reduction, and a variadic max reduction (one flag per leaf) made it all-gather
+    the gradients.
     """
-    oks = [lax.is_finite(x) for x in xs]
+    u8 = jnp.uint8
+    items = [(lax.is_finite(x), u8(i + 1)) for i, x in enumerate(xs)]
     # A balanced tree: XLA's simplifier sinks a transposed gradient's transpose through
     # one link per pass, so a chain of 16 ran the simplification passes 16 more times.
-    while len(oks) > 1:
-        oks = [lax.bitwise_and(*oks[i:i + 2]) if i + 1 < len(oks) else oks[i]
-               for i in range(0, len(oks), 2)]
-    ok = oks[0]
-    u8 = jnp.uint8
-    return jnp.max(jnp.where(ok, u8(0), u8(1))) > 0
+    while len(items) > 1:
+        items = [_combine(*items[i:i + 2]) if i + 1 < len(items) else items[i]
+                 for i in range(0, len(items), 2)]
+    finite, index = items[0]
+    return jnp.max(jnp.where(finite, u8(0), index))
+
+
+def _combine(left: tuple, right: tuple) -> tuple:
+    """Two ``(finite, index of the last non-finite leaf)`` pairs, elementwise, as one."""
+    return (lax.bitwise_and(left[0], right[0]), jnp.where(right[0], left[1], right[1]))
+
+
+def nonfinite_leaf_flags(tree: Any) -> jax.Array:
+    """One int32 per floating leaf of ``tree``, in tree order: 1 for a leaf that the
+    check found holding an inf or NaN, else 0.
+
+    Leaves are checked in groups of up to ``_GROUP`` that share a role, shape, dtype and
+    layout (`_group_key`), one reduction per group (`_group_last_bad`). A group with a
+    non-finite leaf flags one of them: the last in tree order (so the flags sum to the
+    number of such groups, zero exactly when every leaf is finite). Each leaf's flag is
+    picked out of the groups' marks by one gather.
+    """
+    groups: dict[tuple, list] = {}
+    n = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if _is_float(x):
+            if x.size:
+                groups.setdefault(_group_key(path, x), []).append((n, x))
+            n += 1
+    # An empty leaf points at a zero mark and expects 1 from it: never flagged.
+    marks, where, mark = [], np.full(n, -1, np.int32), np.ones(n, np.uint8)
+    for members in groups.values():
+        for i in range(0, len(members), _GROUP):
+            chunk = members[i:i + _GROUP]
+            for j, (leaf, _) in enumerate(chunk):
+                where[leaf], mark[leaf] = len(marks), j + 1
+            marks.append(_group_last_bad([x for _, x in chunk]))
+    if not marks:
+        return jnp.zeros((n,), jnp.int32)
+    marks.append(jnp.zeros((), jnp.uint8))  # for the empty leaves
+    where[where < 0] = len(marks) - 1
+    return (jnp.stack(marks)[where] == mark).astype(jnp.int32)
 
 
 def nonfinite_count(tree: Any) -> jax.Array:
-    """Number of checked groups of floating leaves of ``tree`` holding an inf or NaN.
-
-    Zero exactly when every floating leaf is finite (int32). Leaves are checked in
-    groups of up to ``_GROUP`` that share a role, shape, dtype and layout
-    (`_group_key`); an empty leaf holds nothing non-finite.
-    """
-    groups: dict[tuple, list] = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if _is_float(x) and x.size:
-            groups.setdefault(_group_key(path, x), []).append(x)
-    flags = [
-        lax.convert_element_type(_group_has_nonfinite(xs[i:i + _GROUP]), jnp.int32)
-        for xs in groups.values()
-        for i in range(0, len(xs), _GROUP)
-    ]
-    if not flags:
-        return jnp.zeros((), jnp.int32)
-    return functools.reduce(lax.add, flags)
+    """Number of floating leaves of ``tree`` holding an inf or NaN (int32); zero exactly
+    when every floating leaf is finite. See `nonfinite_leaf_flags`."""
+    return jnp.sum(nonfinite_leaf_flags(tree), dtype=jnp.int32)
 
 
 def finite_from_count(count: jax.Array) -> jax.Array:
@@ -218,15 +250,27 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
       >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
       False
     """
-    axis_name = check_axis_name(axis_name)
-    count = nonfinite_count(tree)
+    return finite_and_flags(tree, check_axis_name(axis_name))[0]
+
+
+def finite_and_flags(tree: Any, axis_name: AxisName = None) -> tuple[jax.Array, jax.Array]:
+    """`all_finite` and, from the same reductions, which leaves are not finite.
+
+    Returns:
+      ``(finite, flags)``: the bool scalar of `all_finite`, and a bool vector with one
+      flag per floating leaf of ``tree`` in tree order (`nonfinite_leaf_flags`), True
+      where the leaf holds an inf or NaN on any shard of ``axis_name``. The per-leaf
+      flags are ``psum``-med over ``axis_name`` in one collective, and the decision is
+      taken from their sum.
+    """
+    flags = nonfinite_leaf_flags(tree)
     if axis_name is not None:
-        count = psum_over(count, axis_name)
-    elif varying := _varying_axes(count):
+        flags = psum_over(flags, axis_name)
+    elif varying := _varying_axes(flags):
         names = tuple(sorted(varying, key=str))
         raise ValueError(
             f"The non-finite count is varying over mesh axes {names} (inside shard_map) "
             "and no `axis_name` was given: the shards would decide differently whether "
             f"to skip, and one would step while another does not. Pass axis_name={names!r} "
             "(to dynamic_scale / static_scale / no_scale, value_and_grad or all_finite).")
-    return finite_from_count(count)
+    return finite_from_count(jnp.sum(flags, dtype=jnp.int32)), flags > 0

@@ -17,8 +17,9 @@ from _mpfunc_common.scale_config import (
     resolve_scale_config,
     to_float32,
 )
-from mpfunc._src.distributed import AxisName, _is_float, all_finite, check_axis_name
+from mpfunc._src.distributed import AxisName, _is_float, check_axis_name, finite_and_flags
 from mpfunc._src.exact_skip import cond_skip_update, neg_zeros_like, skip_update
+from mpfunc._src.precision_report import skip_record, skip_record_init
 from mpfunc._src.scale_rule import (
     check_inner_state,
     check_updates_fit,
@@ -108,6 +109,7 @@ def _scale_transform(
             consecutive_skips=jnp.zeros((), jnp.int32),
             last_finite=jnp.asarray(True),
             inner_state=inner.init(params) if inner is not None else optax.EmptyState(),
+            skip_leaves=skip_record_init(params),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -125,7 +127,7 @@ def _scale_transform(
             # The check reads the gradients as they came where it gives the same answer,
             # so that it does not need the unscaled ones materialised for it.
             checked = grads if below_one else updates
-        finite = all_finite(checked, axis_name)
+        finite, leaf_flags = finite_and_flags(checked, axis_name)
         if checked is updates and unscale:
             # That holds at a scale >= 1 only: a state restored from a config that went
             # below 1 (or holding 0 or NaN) skips this step, and the next scale is in range.
@@ -170,6 +172,7 @@ def _scale_transform(
             consecutive_skips=jnp.where(finite, 0, in_a_row + 1),
             last_finite=finite,
             inner_state=new_inner,
+            skip_leaves=skip_record(state.skip_leaves, leaf_flags, finite),
         )
 
     def rewrap(new_inner):

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mpfunc._src.distributed import AxisName, _is_float, all_finite, check_axis_name
 
@@ -19,6 +20,13 @@ __all__ = [
     "scale_metrics",
     "value_and_grad",
 ]
+
+
+def _host_flags(flags: Any) -> list[bool]:
+    if isinstance(flags, jax.core.Tracer):
+        raise TypeError("These flags are traced values: read them outside `jit` (return "
+                        "them from the step first).")
+    return np.asarray(jax.device_get(flags)).reshape(-1).tolist()
 
 
 class LossScaleState(NamedTuple):
@@ -36,6 +44,12 @@ class LossScaleState(NamedTuple):
         (saturating); optax's ``notfinite_count``.
       last_finite: bool, whether the most recent step's gradients were all finite.
       inner_state: the wrapped transformation's state (``optax.EmptyState()`` if none).
+      skip_leaves: bool ``[n]``, one flag per floating leaf of the params given to
+        ``init``, in tree order: the leaves that held an inf or NaN at the last skipped
+        step (all False before any). It comes from the finite check's own reductions, so
+        it costs a step nothing. Read it by name with
+        ``scale_metrics(opt_state, skip_leaves=params)``. Gradients with other leaves
+        than ``init``'s params leave it as it was; None in a state built by hand.
     """
 
     loss_scale: jax.Array
@@ -45,6 +59,7 @@ class LossScaleState(NamedTuple):
     consecutive_skips: jax.Array
     last_finite: jax.Array
     inner_state: Any
+    skip_leaves: jax.Array | None = None
 
 
 class ScaledValueAndGrad(NamedTuple):
@@ -136,7 +151,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     return jnp.asarray(loss).astype(jnp.float32) * loss_scale(opt_state)
 
 
-def scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
+def scale_metrics(opt_state: Any, *, skip_leaves: Any = None) -> dict[str, Any]:
     """Device scalars for logging: ``loss_scale``, ``skipped_steps``,
     ``consecutive_skips``, ``last_finite`` (and ``num_zeros_in_grad`` when the mode
     logs it).
@@ -145,11 +160,22 @@ def scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     ``consecutive_skips`` is optax's ``notfinite_count``: compare it with a limit at log
     time to stop a run that is stuck skipping (see the README, "Loss scaling").
 
+    Given the params as ``skip_leaves`` (outside ``jit``, when you log), the dict also
+    holds ``skip_leaves``: the keystr paths of the gradient leaves that held an inf or
+    NaN at the last skipped step (``[]`` before any), read from the device then.
+
     Args:
       opt_state: an optax state tree holding one `LossScaleState`.
+      skip_leaves: the params the state was made for (their paths name the leaves), or
+        None.
 
     Returns:
-      A dict of device scalars.
+      A dict of device scalars (and a list of paths with ``skip_leaves``).
+
+    Raises:
+      ValueError: ``opt_state`` holds no `LossScaleState` (or several); ``skip_leaves``
+        with another number of floating leaves than the state's record.
+      TypeError: ``skip_leaves`` inside ``jit`` (the names are read on the host).
 
     Examples:
       >>> import jax.numpy as jnp, optax, mpfunc
@@ -170,6 +196,10 @@ def scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     ):
         if hasattr(leaf, "num_zeros_in_grad"):
             out["num_zeros_in_grad"] = leaf.num_zeros_in_grad
+    if skip_leaves is not None:
+        from mpfunc._src.precision_report import skip_paths  # it imports this module
+
+        out["skip_leaves"] = skip_paths(s.skip_leaves, skip_leaves)
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,6 +34,11 @@ from mpfunc_torch._src.clipping import global_zero_count
 from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.grads import check_, grads_of
 from mpfunc_torch._src.master_weights import copy_masters_to_model_
+from mpfunc_torch._src.skip_record import (
+    new_step_flags,
+    skip_flags_every_step_,
+    skip_flags_on_skip_,
+)
 from mpfunc_torch._src.wrapped_optimizer import mark_step_called
 
 __all__ = ["exact_step_", "step_in_kernel_", "take_or_drop_"]
@@ -40,22 +46,27 @@ __all__ = ["exact_step_", "step_in_kernel_", "take_or_drop_"]
 
 def step_in_kernel_(optimizer: torch.optim.Optimizer, owned: Sequence[torch.Tensor],
                     grad_scale: torch.Tensor | None, found_inf: torch.Tensor,
-                    groups: Sequence) -> None:
+                    groups: Sequence, before_step: Any = None,
+                    flags: torch.Tensor | None = None) -> None:
     """Checks the still-scaled grads of ``owned``, reduces the flag over ``groups``, and
     lets the fused ``optimizer`` unscale by ``grad_scale``, step and skip on the flag.
 
     Pass 1 is a check only (inverse scale 1); pass 2 is the optimizer's kernel, which
     also undoes its step count where it skipped. ``found_inf`` holds the flag after.
+    ``before_step`` (no arguments) runs between the two, on the reduced flag; ``flags``
+    (one per gradient) gets each gradient's own flag from the check.
     """
     found_inf.zero_()
-    check_(grads_of(owned), found_inf)
+    check_(grads_of(owned), found_inf, flags)
     all_reduce_found_inf_(found_inf, groups)  # the path ShardedGradScaler misses
+    if before_step is not None:
+        before_step()
     fused.step_with_found_inf_(optimizer, grad_scale, found_inf)
 
 
 def take_or_drop_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
                   pairs: Sequence, *, in_kernel: bool, host_skip: bool = False,
-                  chunked: ChunkedStep | None = None) -> None:
+                  chunked: ChunkedStep | None = None, on_skip: Any = None) -> None:
     """Runs ``optimizer``'s step if ``found_inf`` is 0, and copies masters to the model.
 
     Args:
@@ -66,12 +77,16 @@ def take_or_drop_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
         (no host read).
       host_skip: decide on the host even so (see `fused.fused_sgd_first_step_pending`).
       chunked: the `prepare_chunked_step_` result, for a step made chunk by chunk.
+      on_skip: called (with nothing) where the host read that the step is skipped,
+        before any gradient is released.
     """
     if in_kernel:
         inner = functools.partial(fused.step_with_found_inf_, optimizer, None, found_inf)
     else:
         inner = optimizer.step
     take = (in_kernel and not host_skip) or not found_inf.item()  # the one host read, where there is one
+    if not take and on_skip is not None:
+        on_skip()
     if chunked is not None:
         finish_chunked_step_(chunked, found_inf, inner, take)
     elif take:
@@ -97,9 +112,15 @@ def exact_step_(opt, scaled: bool) -> torch.Tensor:
             if q.grad is not None or src.grad is not None})
     found = opt._found_inf
     plan = opt.plan
+    # Which params make a step skip (scale_metrics(skip_leaves=True)): recorded on the
+    # device every step where the host never reads the flag (from the check's own
+    # per-gradient flags), else only on a skip.
+    every_step = opt._fused and not host_skip
     if opt._kernel_unscales and scaled and not host_skip:
         step_in_kernel_(opt.optimizer, opt._owned,
-                        scaler.scale if scaler.kind != "none" else None, found, opt._groups)
+                        scaler.scale if scaler.kind != "none" else None, found, opt._groups,
+                        before_step=lambda: skip_flags_every_step_(opt, found),
+                        flags=new_step_flags(opt))
         return found
     chunked = None
     if opt._step_chunks > 1 and scaled:
@@ -118,8 +139,11 @@ def exact_step_(opt, scaled: bool) -> torch.Tensor:
         if plan.log_num_zeros_in_grad:
             opt.num_zeros_in_grad = global_zero_count(
                 opt._owned, process_group=opt._clip_groups, mark_sources=opt._sources)
+    if every_step:
+        skip_flags_every_step_(opt, found)
     take_or_drop_(opt.optimizer, found, opt._pairs, in_kernel=opt._fused,
-                  host_skip=host_skip, chunked=chunked)
+                  host_skip=host_skip, chunked=chunked,
+                  on_skip=None if every_step else lambda: skip_flags_on_skip_(opt))
     if chunked and chunked.zeros is not None:
         opt.num_zeros_in_grad = global_zero_count(
             opt._owned, process_group=opt._clip_groups, mark_sources=opt._sources,

@@ -33,9 +33,11 @@ def coalesce_sparse_(owned: Sequence[torch.Tensor]) -> None:
             q.grad = q.grad.coalesce()
 
 
-def check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Raises ``found_inf`` if any of ``grads`` holds an inf/NaN (no unscaling)."""
-    fused.unscale_and_check_(grads, found_inf, torch.ones((), device=found_inf.device))
+def check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
+           flags: torch.Tensor | None = None) -> None:
+    """Raises ``found_inf`` if any of ``grads`` holds an inf/NaN (no unscaling); with
+    ``flags``, also ``flags[i]`` for ``grads[i]`` (see `fused.unscale_and_check_`)."""
+    fused.unscale_and_check_(grads, found_inf, torch.ones((), device=found_inf.device), flags)
 
 
 def inv_scale_or_none(scaler) -> torch.Tensor | None:
@@ -44,14 +46,16 @@ def inv_scale_or_none(scaler) -> torch.Tensor | None:
 
 
 def unscale_checked_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
-                     inv_scale: torch.Tensor | None, may_go_below_one: bool) -> None:
+                     inv_scale: torch.Tensor | None, may_go_below_one: bool,
+                     flags: torch.Tensor | None = None) -> None:
     """Multiplies ``grads`` by ``inv_scale`` in place (None: no unscaling) and raises
     ``found_inf`` on inf/NaN: one fused pass, which checks the values before unscaling;
-    where the scale can be below 1 (or nothing is unscaled) a check-only pass follows."""
+    where the scale can be below 1 (or nothing is unscaled) a check-only pass follows.
+    With ``flags``, each gradient's own flag too (see `fused.unscale_and_check_`)."""
     if inv_scale is not None:
-        fused.unscale_and_check_(grads, found_inf, inv_scale)
+        fused.unscale_and_check_(grads, found_inf, inv_scale, flags)
     if inv_scale is None or may_go_below_one:
-        check_(grads, found_inf)
+        check_(grads, found_inf, flags)
 
 
 def set_aside_(owned: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> list:

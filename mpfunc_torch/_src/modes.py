@@ -35,6 +35,7 @@ from mpfunc_torch._src.model import (
 from mpfunc_torch._src.model_load import guard_model_loads
 from mpfunc_torch._src.optimizer import AmpOptimizer
 from mpfunc_torch._src.sharding import check_fsdp_units
+from mpfunc_torch._src.skip_record import attach_model
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
 
@@ -377,6 +378,7 @@ def convert_to_amp(
         for opt in optimizers[1:]
     ]
     amp_model._load_guards = guard_model_loads(model)  # before the masters' load hooks
+    attach_model(amp_opts, model)  # names for precision_report and skip_leaves
     pairs = [pair for opt in amp_opts for pair in opt._pairs]
     if pairs:
         versions = {id(p): opt._versions for opt in amp_opts for p, _ in opt._pairs}

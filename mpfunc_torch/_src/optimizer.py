@@ -34,8 +34,10 @@ from mpfunc_torch._src.master_weights import (
     release_master_grads_,
     swap_in_masters_,
 )
+from mpfunc_torch._src.precision_report import optimizer_report
 from mpfunc_torch._src.sharding import mesh_groups
 from mpfunc_torch._src.shared_scale import SharedScale
+from mpfunc_torch._src.skip_record import new_step_flags, skip_names
 from mpfunc_torch._src.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["AmpOptimizer"]
@@ -186,15 +188,27 @@ class AmpOptimizer(WrappedOptimizer):
         """Skipped steps so far: an int32 0-dim device tensor."""
         return self._scalers[0].skipped_steps
 
-    def scale_metrics(self, as_python: bool = False, loss_id: int = 0) -> dict[str, Any]:
+    def scale_metrics(self, as_python: bool = False, loss_id: int = 0, *,
+                      skip_leaves: bool = False) -> dict[str, Any]:
         """``loss_scale``, ``skipped_steps``, ``consecutive_skips``, ``last_finite`` (and
         ``num_zeros_in_grad`` when logged): device tensors, or Python numbers with
-        ``as_python=True``."""
+        ``as_python=True``. With ``skip_leaves=True``, also ``skip_leaves``: the names of
+        the params whose gradient held an inf or NaN at the last skipped step (``[]``
+        before any skip), read from the device then."""
         out = self._scaler(loss_id).metrics(as_python)
         if self.num_zeros_in_grad is not None:
             z = self.num_zeros_in_grad
             out["num_zeros_in_grad"] = int(z) if as_python else z
+        if skip_leaves:
+            out["skip_leaves"] = skip_names(self)
         return out
+
+    @_eager
+    def precision_report(self, dtype: Any = None, *, process_group: Any = None):
+        """`mpfunc_torch.precision_report` of the gradients this step will use, at the
+        current scale, named as in the model; call it between `backward` and `step`
+        (see `optimizer_report`). ``dtype`` defaults to the mode's half dtype."""
+        return optimizer_report(self, dtype, process_group)
 
     @_eager
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
@@ -297,7 +311,7 @@ class AmpOptimizer(WrappedOptimizer):
             # Re-check what step() will use: a gradient may have changed since its
             # backward (e.g. a manual all-reduce).
             coalesce_sparse_(self._owned)
-            check_(grads_of(self._owned), found)
+            check_(grads_of(self._owned), found, new_step_flags(self))
             all_reduce_found_inf_(found, self._groups)
             for f in self._found_inf_per_loss:
                 all_reduce_found_inf_(f, self._groups)
@@ -307,7 +321,7 @@ class AmpOptimizer(WrappedOptimizer):
             coalesce_sparse_(self._owned)
             scaler = self._scalers[0]
             unscale_checked_(grads_of(self._owned), found, inv_scale_or_none(scaler),
-                             scaler.may_go_below_one)
+                             scaler.may_go_below_one, new_step_flags(self))
             all_reduce_found_inf_(found, self._groups)
             self._found_inf_per_loss[0].copy_(found)
         self._stage = _UNSCALED

@@ -1,0 +1,399 @@
+"""Which gradient leaf overflowed, and how close each one is to overflow or underflow.
+
+`precision_report` reduces every floating gradient leaf on the device to a few numbers
+(`_mpfunc_common.precision_report.LEAF_RULE`) and returns them as a `PrecisionReport`, a
+pytree of device arrays: it runs inside a jitted step (or ``shard_map``) and is read on
+the host only when asked. The torch twin is ``mpfunc_torch/_src/precision_report.py``.
+
+The loss-scale transformations also keep, in their state, which leaves were non-finite
+at the last skipped step (`skip_record`, read by ``scale_metrics(..., skip_leaves=params)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from _mpfunc_common.precision_report import (
+    LEAF_RULE,
+    FloatFormat,
+    check_loss_scale,
+    check_report_dtype,
+    format_table,
+    leaf_rows,
+    nonfinite_names,
+)
+from mpfunc._src.distributed import (
+    AxisName,
+    _is_float,
+    _varying_axes,
+    check_axis_name,
+    unbound_axis_error,
+)
+from mpfunc._src.scale_state import LossScaleState, _find_states, _host_flags
+
+__all__ = ["NamedFlags", "PrecisionReport", "precision_report", "reduce_flags", "skip_paths",
+           "skip_record", "skip_record_init"]
+
+_F32, _I32, _U8 = jnp.float32, jnp.int32, jnp.uint8
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["flags"],
+                   meta_fields=["names"])
+@dataclasses.dataclass(frozen=True, repr=False)
+class NamedFlags:
+    """A bool device vector with a static name per element, in order: which modules'
+    outputs held an inf or NaN in a watched forward (``mpfunc.watch_nonfinite``).
+
+    A registered pytree (``names`` is static), so it passes through ``jit``, ``grad``'s
+    ``has_aux`` and ``shard_map``. The flags are read on the host only by `set_names` and
+    `first_set`.
+    """
+
+    flags: jax.Array
+    names: tuple[str, ...]
+
+    def __repr__(self) -> str:  # reads nothing from the device
+        return f"NamedFlags({len(self.names)} names)"
+
+    def set_names(self) -> list[str]:
+        """The names whose flag is set, in order (one read from the device)."""
+        return [n for n, f in zip(self.names, _host_flags(self.flags)) if f]
+
+    def first_set(self) -> str | None:
+        """The first name whose flag is set, or None (one read from the device)."""
+        return next(iter(self.set_names()), None)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["nonfinite", "amax", "zeros", "underflows", "sizes", "loss_scale",
+                 "forward"],
+    meta_fields=["paths", "dtype"])
+@dataclasses.dataclass(frozen=True, repr=False)
+class PrecisionReport:
+    """What `precision_report` returns: per-leaf device arrays, read on the host on demand.
+
+    A registered pytree (``paths`` and ``dtype`` are static), so it can be returned
+    from a jitted step, ``shard_map``-ped (replicated: ``out_specs=P()``) or stacked by
+    ``lax.scan``. Nothing is copied to the host until `rows`, `nonfinite_paths`,
+    `first_nonfinite_module` or ``str(report)`` is called (each reads it once).
+
+    Attributes:
+      nonfinite: bool ``[n]``, one per floating leaf, in tree order.
+      amax: float32 ``[n]``: the largest finite ``|g|`` of each leaf (0 if none).
+      zeros: int32 ``[n]``: exactly-zero elements.
+      underflows: int32 ``[n]``: non-zero elements that ``dtype`` flushes to 0 at the scale.
+      sizes: int32 ``[n]``: elements (summed over the shards of ``axis_name``).
+      loss_scale: float32 scalar, the scale the report was made for.
+      forward: the `watch_nonfinite` flags of the forward, or None.
+      paths: the leaves' ``jax.tree_util.keystr`` paths (static).
+      dtype: the half-precision format's name (static).
+    """
+
+    nonfinite: jax.Array
+    amax: jax.Array
+    zeros: jax.Array
+    underflows: jax.Array
+    sizes: jax.Array
+    loss_scale: jax.Array
+    forward: NamedFlags | None
+    paths: tuple[str, ...]
+    dtype: str
+
+    def __repr__(self) -> str:  # reads nothing from the device
+        return f"PrecisionReport({len(self.paths)} leaves, dtype={self.dtype})"
+
+    def _read(self) -> tuple[list[dict[str, Any]], float, list | None]:
+        leaves = jax.tree_util.tree_leaves(self)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            raise TypeError("The report holds traced values: read it outside `jit` (return "
+                            "it from the step, then call rows() / str() on the result).")
+        fwd = None if self.forward is None else self.forward.flags
+        got = jax.device_get((self.nonfinite, self.amax, self.zeros, self.underflows,
+                              self.sizes, self.loss_scale, fwd))
+        nonfinite, amax, zeros, under, sizes, scale, fwd = (
+            None if v is None else np.asarray(v) for v in got)
+        rows = leaf_rows(self.paths, nonfinite.reshape(-1), amax.reshape(-1),
+                         zeros.reshape(-1), under.reshape(-1), sizes.reshape(-1),
+                         float(scale), check_report_dtype(self.dtype, self.dtype))
+        return rows, float(scale), None if fwd is None else fwd.reshape(-1).tolist()
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per leaf, in tree order: ``name`` (the keystr path), ``nonfinite``,
+        ``amax``, ``zero_fraction``, ``underflow_fraction``, ``headroom_bits``."""
+        return self._read()[0]
+
+    def nonfinite_paths(self) -> list[str]:
+        """The keystr paths of the leaves holding an inf or NaN, in tree order."""
+        return nonfinite_names(self.rows())
+
+    @property
+    def first_nonfinite_module(self) -> str | None:
+        """The first module, in the order its call returned, whose output held an inf or
+        NaN in the watched forward (`watch_nonfinite`); None if none did, or if the
+        report was made without ``forward=``."""
+        if self.forward is None:
+            return None
+        return self.forward.first_set()
+
+    def __str__(self) -> str:
+        rows, scale, fwd = self._read()
+        first = None
+        if fwd is not None:
+            first = next((n for n, f in zip(self.forward.names, fwd) if f), None)
+        return format_table(rows, scale, check_report_dtype(self.dtype, self.dtype),
+                            first, watched=fwd is not None)
+
+
+def _dtype_format(dtype: Any) -> FloatFormat:
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    return check_report_dtype(name, dtype)
+
+
+def _scale_array(loss_scale: Any) -> jax.Array:
+    """The scale as a float32 scalar; Python and NumPy numbers are checked (> 0, finite),
+    device arrays are not read (a host sync)."""
+    if loss_scale is None:
+        return jnp.ones((), _F32)
+    if isinstance(loss_scale, LossScaleState):
+        return loss_scale.loss_scale
+    if isinstance(loss_scale, jax.Array):
+        if loss_scale.shape != () or not jnp.issubdtype(loss_scale.dtype, jnp.floating):
+            raise TypeError("`loss_scale` must be a floating scalar, got an array of dtype "
+                            f"{loss_scale.dtype} and shape {loss_scale.shape}.")
+        return loss_scale.astype(_F32)
+    if isinstance(loss_scale, np.ndarray | np.generic) and np.shape(loss_scale) == ():
+        loss_scale = loss_scale.item()
+    if not isinstance(loss_scale, int | float) and len(found := _find_states(loss_scale)) == 1:
+        return found[0].loss_scale
+    return jnp.asarray(check_loss_scale(loss_scale), _F32)
+
+
+def _float_leaves(tree: Any) -> tuple[tuple[str, ...], list]:
+    pairs = [(jax.tree_util.keystr(p), x)
+             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if _is_float(x)]
+    return tuple(p for p, _ in pairs), [x for _, x in pairs]
+
+
+def _check_like(grads: Any, params: Any) -> None:
+    got = jax.tree_util.tree_flatten_with_path(grads)[0]
+    want = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (gp, g), (pp, p) in zip(got, want):
+        if gp != pp or jnp.shape(g) != jnp.shape(p):
+            raise ValueError(
+                "`grads` do not match `params`: leaf "
+                f"{jax.tree_util.keystr(gp)} has shape {jnp.shape(g)} where params have "
+                f"{jax.tree_util.keystr(pp)} with shape {jnp.shape(p)}. Pass the gradients "
+                "of these params (jax.grad of the loss with respect to them).")
+    if len(got) != len(want):
+        raise ValueError(f"`grads` do not match `params`: {len(got)} leaves, params have "
+                         f"{len(want)}. Pass the gradients of these params.")
+
+
+def _partitioned(x: jax.Array) -> bool:
+    """Whether XLA's SPMD partitioner may split ``x`` over devices (plain ``jit`` over a
+    multi-device mesh), rather than ``x`` living whole on each device (one device, or
+    inside ``shard_map``, where every axis is manual)."""
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except Exception:  # pragma: no cover - no sharding in the type
+        return False
+    manual = jax.sharding.AxisType.Manual
+    return not mesh.empty and mesh.size > 1 and any(t != manual for t in mesh.axis_types)
+
+
+def _leaf_stats(x: jax.Array, threshold: jax.Array):
+    """One leaf's ``(nonfinite, amax)`` (float32) and ``(zeros, underflows, size)``
+    (int32), by `LEAF_RULE`.
+
+    On whole arrays the four reductions are one variadic ``lax.reduce``: one pass over
+    the leaf (on XLA:CPU 8x faster than four reductions, BENCHMARKS.md section 9). XLA's
+    SPMD partitioner all-gathers a variadic reduction's operand, so a leaf it may split
+    gets four plain reductions, each of which it reduces in place.
+    """
+    a = jnp.abs(x).astype(_F32)
+    finite = lax.is_finite(a)
+    # Zero by its bits: XLA on CPU reads float32 subnormals as 0, torch does not.
+    nonzero = lax.bitcast_convert_type(a, _I32) != 0
+    ops = (jnp.where(finite, _U8(0), _U8(1)), jnp.where(finite, a, _F32(0)),
+           nonzero.astype(_I32),
+           (nonzero & (a <= threshold)).astype(_I32))
+    dims = tuple(range(a.ndim))
+    if _partitioned(x):
+        bad, amax, nonzeros, under = (jnp.max(ops[0], initial=_U8(0)),
+                                      jnp.max(ops[1], initial=_F32(0)),
+                                      jnp.sum(ops[2], dtype=_I32), jnp.sum(ops[3], dtype=_I32))
+    else:
+        bad, amax, nonzeros, under = lax.reduce(
+            ops, (_U8(0), _F32(0), _I32(0), _I32(0)),
+            lambda p, q: (lax.max(p[0], q[0]), lax.max(p[1], q[1]), lax.add(p[2], q[2]),
+                          lax.add(p[3], q[3])), dims)
+    size = jnp.asarray(a.size, _I32)
+    return (jnp.stack([(bad > 0).astype(_F32), amax]),
+            jnp.stack([size - nonzeros, under, size]))
+
+
+def _reduce(values: list, axis_name: AxisName, ops: tuple) -> list:
+    """Each of ``values`` (one array per leaf) reduced over the axes of ``axis_name`` it
+    varies over, with ``ops[k]`` (``lax.pmax`` / ``lax.psum``) for column block k; as
+    `mpfunc.all_finite` reduces its count. Leaves varying alike are reduced together."""
+    by_axes: dict = {}
+    for i, v in enumerate(values):
+        by_axes.setdefault(_varying_axes(v[0]), []).append(i)
+    out = list(values)
+    axes = (() if axis_name is None else
+            tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,))
+    for varying, idx in by_axes.items():
+        if not axes:
+            if varying:
+                names = tuple(sorted(varying, key=str))
+                raise ValueError(
+                    f"Gradients vary over mesh axes {names} (inside shard_map) and no "
+                    f"`axis_name` was given: pass axis_name={names!r}, the axes the finite "
+                    "check reduces over, so that every shard reports the whole leaf.")
+            continue
+        if varying and (rest := varying - set(axes)):
+            raise ValueError(
+                f"Gradients vary over {sorted(rest, key=str)}, mesh axes not in "
+                f"`axis_name` ({axis_name!r}); add them, as for the finite check.")
+        over = tuple(a for a in axes if a in varying) if varying else axes
+        stacked = [jnp.stack([values[i][k] for i in idx]) for k in range(len(ops))]
+        try:
+            reduced = [op(s, over) for op, s in zip(ops, stacked)]
+        except ValueError:  # typed invariant over every axis: the same on every shard
+            continue
+        except NameError as e:
+            raise unbound_axis_error(axis_name, e) from None
+        for j, i in enumerate(idx):
+            out[i] = tuple(r[j] for r in reduced)
+    return out
+
+
+def reduce_flags(flags: jax.Array, axis_name: AxisName) -> jax.Array:
+    """A bool vector OR-ed over the axes of ``axis_name`` it varies over."""
+    (out,) = _reduce([(flags.astype(_F32),)], axis_name, (lax.pmax,))[0]
+    return out > 0
+
+
+def precision_report(
+    grads: Any,
+    *,
+    loss_scale: Any = None,
+    dtype: Any = jnp.float16,
+    axis_name: AxisName = None,
+    params: Any = None,
+    forward: NamedFlags | None = None,
+) -> PrecisionReport:
+    """Per-leaf overflow and underflow statistics of ``grads``, on the device.
+
+    For every floating leaf, in tree order:
+
+    .. code-block:: python
+
+{rule}
+    Pass unscaled gradients with the scale they are trained at (``loss_scale=state``),
+    or gradients that already carry the scale (``jax.grad`` of `scale_loss`) with
+    ``loss_scale=None``. Inside ``shard_map`` give the ``axis_name`` the finite check
+    uses: each leaf's flags and amax are MAX-reduced and its counts summed over the axes
+    it varies over, so every shard holds the report of the whole leaf. Under plain
+    ``jit`` the reductions are global already.
+
+    Args:
+      grads: a pytree of gradients; non-floating leaves are left out.
+      loss_scale: None (1), a number > 0, a float32 device scalar, the `LossScaleState`
+        or an optax state holding one. Only Python / NumPy numbers are checked: a device
+        scale is not read.
+      dtype: the half-precision format the scaled gradients live in: ``jnp.float16``
+        (default), ``jnp.bfloat16``, ``jnp.float32``, ``jnp.float8_e4m3fn``,
+        ``jnp.float8_e5m2`` (or their names).
+      axis_name: mesh axes under ``shard_map``, as for `all_finite`.
+      params: optional; ``grads`` must then have the structure and leaf shapes of it.
+      forward: the flags of a watched forward (`watch_nonfinite`), for
+        `PrecisionReport.first_nonfinite_module`.
+
+    Returns:
+      A `PrecisionReport`.
+
+    Raises:
+      TypeError: a non-floating ``dtype``, a ``loss_scale`` of the wrong type.
+      ValueError: a scale that is not finite or not > 0, ``grads`` that do not match
+        ``params``, leaves varying over mesh axes not in ``axis_name``.
+
+    Examples:
+      >>> import jax.numpy as jnp, mpfunc
+      >>> grads = {{"a": jnp.array([1e-12, 0.5]), "b": jnp.array([jnp.inf, 1.0])}}
+      >>> report = mpfunc.precision_report(grads, loss_scale=1024.0)
+      >>> report.nonfinite_paths()
+      ["['b']"]
+      >>> row = report.rows()[0]
+      >>> row["underflow_fraction"], row["zero_fraction"], round(row["headroom_bits"], 2)
+      (0.5, 0.0, 7.0)
+    """
+    fmt = _dtype_format(dtype)
+    axis_name = check_axis_name(axis_name)
+    scale = _scale_array(loss_scale)
+    if params is not None:
+        _check_like(grads, params)
+    if forward is not None and not isinstance(forward, NamedFlags):
+        raise TypeError("`forward` must be the `.flags` of mpfunc.watch_nonfinite, got "
+                        f"{type(forward).__name__}.")
+    paths, leaves = _float_leaves(grads)
+    threshold = _F32(fmt.threshold) / scale
+    stats = _reduce([_leaf_stats(x, threshold) for x in leaves], axis_name,
+                    (lax.pmax, lax.psum))
+    if stats:
+        fl = jnp.stack([f for f, _ in stats])
+        counts = jnp.stack([c for _, c in stats])
+    else:
+        fl, counts = jnp.zeros((0, 2), _F32), jnp.zeros((0, 3), _I32)
+    if forward is not None:
+        forward = NamedFlags(reduce_flags(forward.flags, axis_name), forward.names)
+    return PrecisionReport(
+        nonfinite=fl[:, 0] > 0, amax=fl[:, 1], zeros=counts[:, 0], underflows=counts[:, 1],
+        sizes=counts[:, 2], loss_scale=scale, forward=forward, paths=paths, dtype=fmt.name)
+
+
+precision_report.__doc__ = precision_report.__doc__.format(
+    rule="\n".join("    " + ln if ln else ln for ln in LEAF_RULE.splitlines()))
+
+
+# -- which leaves made the last step skip (kept in the loss-scale state) -----------------
+
+def skip_record_init(params: Any) -> jax.Array:
+    """The state's record before any skip: one False per floating leaf of ``params``."""
+    return jnp.zeros((len(_float_leaves(params)[0]),), jnp.bool_)
+
+
+def skip_record(prev: jax.Array | None, flags: jax.Array, finite: jax.Array) -> jax.Array:
+    """``prev`` on a finite step; on a skipped one, the step's per-leaf flags (from the
+    finite check's own reductions: `mpfunc.all_finite`'s, at no extra cost).
+
+    A record of another length (gradients with other leaves than ``init``'s params, which
+    the chain form accepts) is left as it was, and so is a missing one (None).
+    """
+    if prev is None or prev.shape != flags.shape:
+        return prev
+    return jnp.where(finite, prev, flags)
+
+
+def skip_paths(record: Any, params: Any) -> list[str]:
+    """The keystr paths of ``params``' floating leaves whose flag is set in ``record``
+    (one read from the device)."""
+    paths = _float_leaves(params)[0]
+    if record is None or len(paths) != record.shape[0]:
+        n = "none" if record is None else record.shape[0]
+        raise ValueError(
+            f"`skip_leaves` must be the params the loss-scale state was made for: it has "
+            f"{len(paths)} floating leaves, the state's record has {n} (a state built by "
+            "hand has none).")
+    return [p for p, f in zip(paths, _host_flags(record)) if f]

@@ -1,0 +1,360 @@
+"""Which gradient overflowed, and how close each one is to overflow or underflow.
+
+The torch twin of ``mpfunc/_src/precision_report.py``: the same per-leaf rule
+(`_mpfunc_common.precision_report.LEAF_RULE`), reduced on the device with per-tensor
+reductions stacked into one tensor, read with one transfer when asked. The record of
+which params made the last step skip is ``mpfunc_torch/_src/skip_record.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from _mpfunc_common.precision_report import (
+    LEAF_RULE,
+    FloatFormat,
+    check_loss_scale,
+    check_report_dtype,
+    format_table,
+    leaf_rows,
+    nonfinite_names,
+)
+from mpfunc_torch._src import fused
+from mpfunc_torch._src.distributed import normalize_groups
+from mpfunc_torch._src.nonfinite_watch import watch_of
+from mpfunc_torch._src.sharding import is_dtensor, local
+from mpfunc_torch._src.skip_record import current_grads, param_names
+
+__all__ = ["PrecisionReport", "precision_report", "optimizer_report"]
+
+
+class PrecisionReport:
+    """What `precision_report` returns: per-param statistics on the device, read once.
+
+    Nothing is copied to the host until `rows`, `nonfinite_names`,
+    `first_nonfinite_module` or ``str(report)`` is called; the first of them reads the
+    whole report (one transfer) and the others reuse it. ``names`` are the params'
+    names; ``stats`` is the packed int64 device tensor: nonfinite, amax (float32 bits),
+    zeros, underflows, sizes (a row of ``len(names)`` each), the scale's float32 bits,
+    then the watched forward's flags.
+    """
+
+    def __init__(self, names: Sequence[str], stats: torch.Tensor, fmt: FloatFormat,
+                 forward_names: Sequence[str] | None = None):
+        self.names = tuple(names)
+        self.dtype = fmt.name
+        self.stats = stats
+        self._fmt = fmt
+        self._forward_names = None if forward_names is None else tuple(forward_names)
+        self._host: tuple | None = None
+
+    def __repr__(self) -> str:  # reads nothing from the device
+        return f"PrecisionReport({len(self.names)} params, dtype={self.dtype})"
+
+    def _read(self) -> tuple:
+        if self._host is None:
+            n = len(self.names)
+            host = self.stats.cpu()  # the one transfer
+            f32 = host[:5 * n + 1].to(torch.int32).view(torch.float32)
+            ints = host[:5 * n].view(5, n).tolist()
+            rows = leaf_rows(self.names, ints[0], f32[n:2 * n].tolist(), ints[2], ints[3],
+                             ints[4], float(f32[5 * n]), self._fmt)
+            fwd = None if self._forward_names is None else host[5 * n + 1:].tolist()
+            self._host = rows, float(f32[5 * n]), fwd
+        return self._host
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per param, in ``named_parameters()`` order: ``name``, ``nonfinite``,
+        ``amax``, ``zero_fraction``, ``underflow_fraction``, ``headroom_bits``."""
+        return [dict(r) for r in self._read()[0]]
+
+    def nonfinite_names(self) -> list[str]:
+        """The names of the params whose gradient holds an inf or NaN, in order."""
+        return nonfinite_names(self._read()[0])
+
+    @property
+    def first_nonfinite_module(self) -> str | None:
+        """The first module, in the order its forward returned, whose output held an
+        inf or NaN in the last forward of a model watched with `watch_nonfinite`; None
+        if none did, or if the model is not watched."""
+        fwd = self._read()[2]
+        if fwd is None:
+            return None
+        return next((n for n, f in zip(self._forward_names, fwd) if f), None)
+
+    def __str__(self) -> str:
+        rows, scale, fwd = self._read()
+        return format_table(rows, scale, self._fmt, self.first_nonfinite_module,
+                            watched=fwd is not None)
+
+
+def _format(dtype: Any) -> FloatFormat:
+    if isinstance(dtype, torch.dtype):
+        return check_report_dtype(str(dtype).removeprefix("torch."), dtype)
+    if isinstance(dtype, str):
+        return check_report_dtype(dtype.removeprefix("torch."), dtype)
+    return check_report_dtype(None, dtype)
+
+
+def _scale_tensor(loss_scale: Any, device: torch.device) -> torch.Tensor:
+    """The scale as a float32 0-dim tensor on ``device``; numbers are checked, tensors
+    are not read (a host sync)."""
+    scale = getattr(loss_scale, "loss_scale", getattr(loss_scale, "scale", loss_scale))
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.is_floating_point():
+            raise TypeError("`loss_scale` must be a floating 0-dim tensor, got "
+                            f"{scale.dtype} with shape {tuple(scale.shape)}.")
+        return scale.detach().reshape(()).to(device, torch.float32)
+    value = 1.0 if loss_scale is None else check_loss_scale(loss_scale)
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    g = local(g.detach())
+    if g.is_sparse:
+        g = g.coalesce().values()
+    return g
+
+
+def _stats(grads: Sequence[torch.Tensor], threshold: torch.Tensor,
+           amax_factor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per tensor: ``(nonfinite, amax)`` float32 and ``(zeros, underflows, size)`` int64,
+    stacked into ``[n, 2]`` and ``[n, 3]`` (`LEAF_RULE`; ``threshold`` is
+    ``tiny(dtype) / 2 / scale``, or ``tiny(dtype) / 2`` for gradients that carry the
+    scale already, whose amax ``amax_factor`` then unscales).
+
+    One tensor at a time, in one float32 buffer for ``|g|`` (the largest gradient's
+    size), with the ops measured fastest on CPU: ``isfinite`` and a masked max took 4x
+    longer than the check kernel (`fused.nonfinite_flags_`) and ``nan_to_num`` then
+    ``amax``.
+    """
+    dev, n = threshold.device, len(grads)
+    flags = torch.zeros(n, dtype=torch.float32, device=dev)
+    amax = torch.zeros(n, dtype=torch.float32, device=dev)
+    counts = torch.zeros((n, 3), dtype=torch.int64, device=dev)
+    # Buffers for |g| and |g| <= threshold, the largest gradient's size: allocating
+    # them per tensor cost as much as the ops themselves on CPU (page faults).
+    size = max((g.numel() for g in grads), default=0)
+    buffer = torch.empty(size, dtype=torch.float32, device=dev)
+    below = torch.empty(size, dtype=torch.bool, device=dev)
+    for i, g in enumerate(grads):
+        a = buffer[:g.numel()].view(g.shape)
+        if g.dtype == torch.float32:
+            a = torch.abs(g, out=a)
+        else:  # half precision, or a complex gradient's magnitude
+            a = a.copy_(g.abs() if g.is_complex() else g).abs_()
+        zeros = a.numel() - torch.count_nonzero(a)  # as a == 0: torch keeps subnormals
+        le = torch.le(a, threshold, out=below[:g.numel()].view(g.shape))
+        counts[i] = torch.stack([zeros, torch.count_nonzero(le) - zeros,
+                                 zeros.new_full((), a.numel())])
+        fused.nonfinite_flags_([a], flags[i:i + 1])
+        if a.numel():
+            amax[i] = torch.nan_to_num_(a, nan=0.0, posinf=0.0).amax()
+    if amax_factor is not None:
+        amax = amax * amax_factor
+    return torch.stack([flags, amax], dim=1), counts
+
+
+def _reduce_(fl: torch.Tensor, counts: torch.Tensor, tensors: Sequence[torch.Tensor],
+             groups: tuple) -> None:
+    """MAX-reduces the flags and amaxes and sums the counts over ``groups`` (every rank
+    holding the same params) and over the meshes of DTensor params: MAX over every mesh
+    dimension, as the inf check does, and the counts over the dimensions a param is
+    sharded over. Each reduction covers the whole vector, so every rank passes the same
+    params in the same order (true within a mesh and for the groups named)."""
+    if not groups and not any(is_dtensor(t) for t in tensors):
+        return
+    op = torch.distributed.ReduceOp
+    for g in groups:
+        torch.distributed.all_reduce(fl, op=op.MAX, group=g)
+        torch.distributed.all_reduce(counts, op=op.SUM, group=g)
+    done: list = []
+    for t in tensors:
+        if not is_dtensor(t) or any(t.device_mesh == m for m in done):
+            continue
+        mesh = t.device_mesh
+        done.append(mesh)
+        for dim in range(mesh.ndim):
+            group = mesh.get_group(dim)
+            torch.distributed.all_reduce(fl, op=op.MAX, group=group)
+            sharded = torch.tensor([is_dtensor(u) and u.device_mesh == mesh
+                                    and u.placements[dim].is_shard() for u in tensors],
+                                   device=fl.device)
+            summed = counts.clone()
+            torch.distributed.all_reduce(summed, op=op.SUM, group=group)
+            counts.copy_(torch.where(sharded[:, None], summed, counts))
+
+
+def _pack(fl, counts, scale, forward) -> torch.Tensor:
+    bits = [fl[:, 1].contiguous().view(torch.int32), scale.reshape(1).view(torch.int32)]
+    parts = [fl[:, 0].to(torch.int64), bits[0].to(torch.int64), *counts.t(),
+             bits[1].to(torch.int64)]
+    return torch.cat(parts + ([] if forward is None else [forward.to(torch.int64)]))
+
+
+def _report(names, grads, tensors, scale, fmt, groups, prescaled, model) -> PrecisionReport:
+    dev = scale.device
+    threshold = torch.full((), fmt.threshold, dtype=torch.float32, device=dev)
+    if not prescaled:
+        threshold = threshold / scale
+    fl, counts = _stats(grads, threshold, torch.reciprocal(scale) if prescaled else None)
+    _reduce_(fl, counts, tensors, groups)
+    watch = watch_of(model) if model is not None else None
+    fwd_names, fwd = (None, None) if watch is None else watch.snapshot(dev)
+    return PrecisionReport(names, _pack(fl, counts, scale, fwd), fmt, fwd_names)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    inner = model.__dict__.get("_modules", {}).get("module")
+    return inner if type(model).__name__ == "AmpModel" and inner is not None else model
+
+
+def precision_report(
+    model: nn.Module,
+    *,
+    loss_scale: Any = None,
+    dtype: Any = torch.float16,
+    grads: Sequence[torch.Tensor | None] | Mapping[str, torch.Tensor] | None = None,
+    process_group: Any = None,
+) -> PrecisionReport:
+    """Per-param overflow and underflow statistics of ``model``'s gradients, on the device.
+
+    For the ``.grad`` of each of ``model.named_parameters()`` that has one, in order:
+
+    .. code-block:: python
+
+{rule}
+    The gradients are taken as they are: give the scale they are trained at when they
+    are unscaled (after ``optimizer.unscale_()`` / ``step()``), or None when they still
+    carry it (right after a scaled ``backward``). `AmpOptimizer.precision_report` knows
+    which, and the scale. DTensor gradients (FSDP2, tensor parallelism) are reduced over
+    their device meshes; plain ones over ``process_group`` if given (the ranks must hold
+    the same params: data or tensor parallel, not pipeline stages). If the model is
+    watched (`watch_nonfinite`), the report also names the first module whose output
+    was non-finite in its last forward.
+
+    Args:
+      model: the model (an ``AmpModel`` is looked through).
+      loss_scale: None (1), a number > 0, a float32 0-dim tensor, an ``AmpOptimizer`` or
+        a ``LossScaler`` (their current scale). Only numbers are checked: a tensor is
+        not read.
+      dtype: ``torch.float16`` (default), ``torch.bfloat16``, ``torch.float32``,
+        ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or their names).
+      grads: instead of the ``.grad``: one tensor (or None) per param in
+        ``named_parameters()`` order, or a dict from param name to tensor.
+      process_group: a ``ProcessGroup`` or a sequence of them to reduce over.
+
+    Returns:
+      A `PrecisionReport`.
+
+    Raises:
+      TypeError: ``model`` is not a module, a non-floating ``dtype``, a bad ``loss_scale``.
+      ValueError: a scale that is not finite or not > 0; ``grads`` that do not match the
+        model's params (count, names or shapes).
+
+    Examples:
+      >>> import torch, mpfunc_torch
+      >>> net = torch.nn.Linear(2, 1)
+      >>> net.weight.grad = torch.tensor([[1e-12, 0.5]])
+      >>> net.bias.grad = torch.tensor([float("inf")])
+      >>> report = mpfunc_torch.precision_report(net, loss_scale=1024.0)
+      >>> report.nonfinite_names()
+      ['bias']
+      >>> row = report.rows()[0]
+      >>> row["underflow_fraction"], row["zero_fraction"], round(row["headroom_bits"], 2)
+      (0.5, 0.0, 7.0)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
+    fmt = _format(dtype)
+    groups = normalize_groups(process_group)
+    model = _unwrap(model)
+    named = list(model.named_parameters())
+    if not named:
+        raise ValueError("`model` has no parameters.")
+    chosen = _match_grads(named, grads)
+    names = [n for (n, _), g in zip(named, chosen) if g is not None]
+    tensors = [g for g in chosen if g is not None]
+    scale = _scale_tensor(loss_scale, named[0][1].device)
+    return _report(names, [_dense(g) for g in tensors], tensors, scale, fmt, groups,
+                   False, model)
+
+
+def _match_grads(named, grads) -> list:
+    if grads is None:
+        return [p.grad for _, p in named]
+    if isinstance(grads, Mapping):
+        unknown = sorted(set(grads) - {n for n, _ in named})
+        if unknown:
+            raise ValueError(f"`grads` names {unknown[:3]}, which are not params of "
+                             f"`model` (it has {[n for n, _ in named][:3]}...).")
+        chosen = [grads.get(n) for n, _ in named]
+    elif isinstance(grads, Sequence) and not isinstance(grads, str):
+        if len(grads) != len(named):
+            raise ValueError(f"`grads` has {len(grads)} entries, `model` has {len(named)} "
+                             "params: give one per param (None for none), in "
+                             "named_parameters() order.")
+        chosen = list(grads)
+    else:
+        raise TypeError("`grads` must be None, a sequence of tensors or a dict from "
+                        f"param name to tensor, got {type(grads).__name__}.")
+    for (n, p), g in zip(named, chosen):
+        if g is None:
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != p.shape:
+            got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+            raise ValueError(f"`grads` for {n!r} must be a tensor of the param's shape "
+                             f"{tuple(p.shape)}, got {got}.")
+    return chosen
+
+
+# -- the optimizer's side ---------------------------------------------------------------
+
+def optimizer_report(opt, dtype: Any = None, process_group: Any = None) -> PrecisionReport:
+    """`AmpOptimizer.precision_report`: the report of the gradients the step will use.
+
+    Before `unscale_` it reads the model's gradients, which still carry the scale; after
+    it, the unscaled ones (the float32 master gradients in naive and apex O2). Either
+    way the rows are those of the unscaled gradients at the current loss scale. Params
+    are named as in the converted model's ``named_parameters()``; a watched model
+    (`watch_nonfinite`) adds ``first_nonfinite_module``. ``dtype`` defaults to the
+    mode's half dtype (float32 where nothing is cast); ``process_group`` as in
+    `precision_report`.
+
+    Raises:
+      RuntimeError: before any ``backward``, or after ``step`` (the gradients were used,
+        and with master weights released).
+    """
+    if opt._stage == "ready":
+        raise RuntimeError(
+            "precision_report() reads the gradients of the current step: call it after "
+            "backward() and before step() (after step() they were used, and with master "
+            "weights released).")
+    plan = opt.plan
+    if dtype is None:
+        dtype = (plan.cast_model_type or plan.autocast_dtype or "float32") if plan.enabled \
+            else "float32"
+        dtype = "bfloat16" if plan.enabled and plan.fp8_recipe is not None else dtype
+    fmt = _format(dtype)
+    groups = normalize_groups(process_group)
+    opt._finish_pending()
+    grads = current_grads(opt)
+    keep = [i for i, g in enumerate(grads) if g is not None]
+    names = param_names(opt)
+    scaler = opt._scalers[0]
+    scale = scaler.scale if plan.enabled and scaler.kind != "none" else \
+        torch.ones((), dtype=torch.float32, device=opt._device)
+    prescaled = opt._stage == "backward" and not opt._grads_unscaled and \
+        plan.enabled and scaler.kind != "none"
+    model = opt._model_ref() if getattr(opt, "_model_ref", None) is not None else None
+    tensors = [grads[i] for i in keep]
+    return _report([names[i] for i in keep], [_dense(g) for g in tensors], tensors, scale,
+                   fmt, groups, prescaled, model)
+
+
+precision_report.__doc__ = precision_report.__doc__.format(
+    rule="\n".join("    " + ln if ln else ln for ln in LEAF_RULE.splitlines()))

@@ -1,0 +1,391 @@
+"""Tests for mpfunc._src.precision_report (and the skip record in the loss-scale state)."""
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from lenient import adam
+
+import mpfunc
+from _mpfunc_common.precision_report import FORMATS
+
+# --- a plain NumPy reference of the per-leaf rule (LEAF_RULE) ---------------------------
+
+
+def reference_row(name, g, scale, dtype):
+    fmt = FORMATS[dtype]
+    a = np.abs(np.asarray(g, np.float32)).reshape(-1)
+    finite = np.isfinite(a)
+    amax = float(a[finite].max()) if finite.any() else 0.0
+    zeros = int(np.sum(a.view(np.int32) == 0))
+    nonzero = a.size - zeros
+    threshold = np.float32(np.float32(fmt.tiny / 2) / np.float32(scale))
+    under = int(np.sum((a.view(np.int32) != 0) & (a <= threshold)))
+    top = amax * float(np.float32(scale))
+    return {
+        "name": name,
+        "nonfinite": bool((~finite).any()),
+        "amax": amax,
+        "zero_fraction": zeros / a.size if a.size else 0.0,
+        "underflow_fraction": under / nonzero if nonzero else 0.0,
+        "headroom_bits": math.inf if top == 0 else math.log2(fmt.max / top),
+    }
+
+
+elements = st.one_of(
+    st.floats(-1e6, 1e6, width=32, allow_subnormal=False),
+    st.sampled_from([0.0, -0.0, 1e-30, -3e-8, 2.0**-25, 2.0**-24, 6e-8, 1e-12, 65504.0,
+                     np.inf, -np.inf, np.nan]),
+)
+
+
+@given(values=st.lists(elements, min_size=0, max_size=40),
+       scale=st.sampled_from([1.0, 2.0**-3, 2.0, 1024.0, 2.0**16, 2.0**24]),
+       dtype=st.sampled_from(sorted(FORMATS)))
+def test_rows_match_a_numpy_reference(values, scale, dtype):
+    g = np.asarray(values, np.float32)
+    report = mpfunc.precision_report({"g": jnp.asarray(g)}, loss_scale=scale, dtype=dtype)
+    assert report.rows() == [reference_row("['g']", g, scale, dtype)]
+
+
+@given(values=st.lists(elements, min_size=1, max_size=30))
+def test_a_half_precision_leaf_is_read_as_its_float32_values(values):
+    with np.errstate(over="ignore"):  # values past float16's range become inf, as planned
+        g16 = np.asarray(values, np.float32).astype(np.float16)
+    got = mpfunc.precision_report([jnp.asarray(g16)], loss_scale=8.0).rows()
+    assert got == [reference_row("[0]", g16.astype(np.float32), 8.0, "float16")]
+
+
+# --- fault injection -----------------------------------------------------------------
+
+def model_params():
+    k = jax.random.split(jax.random.key(0), 3)
+    return {"embed": jax.random.normal(k[0], (16, 8)),
+            "layers": [{"w": jax.random.normal(k[1], (8, 8)), "b": jnp.zeros(8)},
+                       {"w": jax.random.normal(k[2], (8, 8)), "b": jnp.zeros(8)}],
+            "step": jnp.int32(3)}
+
+
+def floats(f, tree):
+    return jax.tree.map(lambda x: f(x) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def plant(tree, path, value):
+    def f(p, x):
+        if jax.tree_util.keystr(p) != path:
+            return x
+        return x.at[(0,) * x.ndim].set(jnp.asarray(value, x.dtype))
+    return jax.tree_util.tree_map_with_path(f, tree)
+
+
+PATHS = ["['embed']", "['layers'][0]['w']", "['layers'][1]['b']"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_a_planted_inf_or_nan_is_named_exactly_under_jit(path, bad):
+    grads = plant(floats(jnp.ones_like, model_params()), path, bad)
+    report = jax.jit(lambda g: mpfunc.precision_report(g, loss_scale=2.0**15))(grads)
+    assert report.nonfinite_paths() == [path]
+    assert [r["name"] for r in report.rows()] == ["['embed']", "['layers'][0]['b']",
+                                                 "['layers'][0]['w']", "['layers'][1]['b']",
+                                                 "['layers'][1]['w']"]
+    assert str(report).splitlines()[2].startswith(path)  # worst first
+
+
+def test_the_report_survives_a_jit_round_trip_bit_for_bit():
+    grads = floats(lambda x: x * 1e-6, model_params())
+    eager = mpfunc.precision_report(grads, loss_scale=2.0**10)
+    jitted = jax.jit(lambda g: mpfunc.precision_report(g, loss_scale=2.0**10))(grads)
+    assert jax.tree_util.tree_structure(eager) == jax.tree_util.tree_structure(jitted)
+    assert eager.rows() == jitted.rows() and eager.paths == jitted.paths
+    assert repr(jitted) == "PrecisionReport(5 leaves, dtype=float16)"
+
+
+@pytest.mark.parametrize("mode, config", [
+    ("torch", {}), ("apex", {"opt_level": "O1"}), ("apex", {"opt_level": "O2"}),
+    ("apex", {"opt_level": "O3"}), ("naive", {}), ("bf16", {})])
+@pytest.mark.parametrize("path", PATHS)
+def test_every_mode_records_which_leaf_made_it_skip(mode, config, path):
+    amp = mpfunc.convert_to_amp(lambda p, x: x, adam(1e-3), mode=mode, **config)
+    params = model_params()
+    del params["step"]  # (Adam steps floating params only)
+    params = amp.cast_params(params)
+    state = amp.optimizer.init(params)
+    update = jax.jit(amp.optimizer.update)
+    grads = floats(jnp.ones_like, params)
+    assert mpfunc.scale_metrics(state, skip_leaves=params)["skip_leaves"] == []
+    _, state = update(plant(grads, path, jnp.nan), state, params)
+    assert not state.last_finite
+    assert mpfunc.scale_metrics(state, skip_leaves=params)["skip_leaves"] == [path]
+    # A finite step keeps the record of the last skip.
+    _, state = update(grads, state, params)
+    assert state.last_finite
+    assert mpfunc.scale_metrics(state, skip_leaves=params)["skip_leaves"] == [path]
+    report = mpfunc.precision_report(plant(grads, path, jnp.inf), loss_scale=state,
+                                     params=params)
+    assert report.nonfinite_paths() == [path]
+
+
+def test_the_skip_record_comes_from_the_finite_checks_own_reductions():
+    # The record costs no reduction of its own: the update's program has as many
+    # reductions as the finite check alone (one per group of alike leaves, here embed,
+    # the two w and the two b, and the sum of the per-leaf flags).
+    params = model_params()
+    del params["step"]
+    opt = mpfunc.dynamic_scale(optax.sgd(0.1))
+    state = opt.init(params)
+    hlo = jax.jit(opt.update).lower(params, state, params).as_text()
+    check = jax.jit(mpfunc.all_finite).lower(params).as_text()
+    assert hlo.count("stablehlo.reduce") == check.count("stablehlo.reduce") == 4
+
+
+def mesh():
+    return jax.make_mesh((4, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("path", ["['layers'][0]['w']", "['embed']"])
+def test_shard_map_one_bad_shard_is_named_on_every_shard(path):
+    m = mesh()
+    params = floats(jnp.ones_like, model_params())
+    del params["step"]
+    specs = {"embed": P("data", None), "layers": [{"w": P(None, "model"), "b": P()}] * 2}
+    opt = mpfunc.dynamic_scale(optax.sgd(0.1), axis_name=("data", "model"))
+    state = opt.init(params)
+
+    def step(grads, state):
+        # The inf goes into one shard of the leaf (index 1 along the axis it is split
+        # over), so that the leaf varies over the same axes as before.
+        axis = {"['embed']": "data", "['layers'][0]['w']": "model"}[path]
+        grads = jax.tree_util.tree_map_with_path(
+            lambda p, g: jnp.where(jax.lax.axis_index(axis) == 1,
+                                   g.at[(0,) * g.ndim].set(jnp.inf), g)
+            if jax.tree_util.keystr(p) == path else g, grads)
+        report = mpfunc.precision_report(grads, loss_scale=state,
+                                         axis_name=("data", "model"))
+        _, state = opt.update(grads, state)
+        return report, state
+
+    f = jax.jit(jax.shard_map(step, mesh=m, in_specs=(specs, P()), out_specs=(P(), P())))
+    report, state = f(jax.device_put(params, jax.tree.map(lambda s: NamedSharding(m, s),
+                                                          specs)), state)
+    assert report.nonfinite_paths() == [path]
+    sizes = {r: s for r, s in zip(report.paths, np.asarray(report.sizes))}
+    assert sizes["['embed']"] == 16 * 8 and sizes["['layers'][0]['w']"] == 64
+    assert mpfunc.scale_metrics(state, skip_leaves=params)["skip_leaves"] == [path]
+
+
+def test_under_plain_jit_sharded_leaves_need_no_axis_name():
+    m = mesh()
+    g = jax.device_put(jnp.ones((16, 8)).at[15, 7].set(jnp.nan),
+                       NamedSharding(m, P("data", "model")))
+    report = jax.jit(lambda g: mpfunc.precision_report({"w": g}))(g)
+    assert report.nonfinite_paths() == ["['w']"] and int(report.sizes[0]) == 128
+
+
+def test_one_pass_per_leaf_and_no_gradient_moves_under_plain_jit():
+    # One variadic reduction per leaf where the leaf is whole on each device; four plain
+    # ones where XLA partitions it (it would all-gather a variadic reduction's operand).
+    grads = {"a": jnp.ones((8, 4)), "b": jnp.ones(4)}
+    assert jax.jit(mpfunc.precision_report).lower(grads).as_text().count(
+        "stablehlo.reduce") == 2
+    m = mesh()
+    w = jax.device_put(jnp.ones((16, 8)), NamedSharding(m, P("data", "model")))
+    x = jax.device_put(jnp.ones((4, 8)), NamedSharding(m, P()))
+
+    def f(w, x):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w.T)))(w)
+        return mpfunc.precision_report({"w": g.at[0, 0].set(jnp.inf)})
+
+    compiled = jax.jit(f).lower(w, x).compile()
+    assert "all-gather" not in compiled.as_text()
+    report = compiled(w, x)
+    assert report.nonfinite_paths() == ["['w']"] and int(report.sizes[0]) == 128
+
+
+def test_shard_map_without_axis_name_is_an_error():
+    m = mesh()
+
+    def f(g):
+        return mpfunc.precision_report({"w": g}).amax
+
+    with pytest.raises(ValueError, match="axis_name"):
+        jax.jit(jax.shard_map(f, mesh=m, in_specs=P("data"), out_specs=P()))(jnp.ones(8))
+
+
+# --- no host sync ----------------------------------------------------------------------
+
+class HostRead(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def no_device_reads():
+    """Makes reading a jax array's value on the host through Python raise:
+    ``jax.device_get``, ``float``/``int``/``bool``, ``.item()``, ``.tolist()``. On CPU
+    ``jax.transfer_guard_device_to_host`` lets all of these through, and NumPy's
+    ``np.asarray`` reads a CPU array zero-copy through the buffer protocol, which no
+    patch reaches; the report reads through ``jax.device_get`` only."""
+    impl = type(jnp.ones(1))
+
+    def refuse(*args, **kwargs):
+        raise HostRead("a device value was read on the host")
+
+    names = ["__array__", "tolist", "item", "__bool__", "__float__", "__int__", "__index__"]
+    saved = {n: getattr(impl, n) for n in names}
+    saved_value, saved_get = impl.__dict__["_value"], jax.device_get
+    for n in names:
+        setattr(impl, n, refuse)
+    impl._value = property(refuse)
+    jax.device_get = refuse
+    try:
+        with jax.transfer_guard_device_to_host("disallow"):
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(impl, n, f)
+        impl._value, jax.device_get = saved_value, saved_get
+
+
+def test_the_guard_catches_a_read():
+    x = jnp.ones(2) + 1
+    reads = (lambda v: jax.device_get(v), lambda v: float(v[0]), lambda v: v.tolist(),
+             lambda v: v[0].item(), lambda v: bool(v[0]))
+    for read in reads:
+        with pytest.raises(HostRead), no_device_reads():
+            read(x)
+
+
+def test_building_the_report_reads_no_device_value():
+    grads = jax.device_put(floats(lambda x: x * 1e-3, model_params()))
+    state = mpfunc.dynamic_scale(optax.sgd(0.1)).init(grads)
+    step = jax.jit(lambda g, s: mpfunc.precision_report(g, loss_scale=s))
+    step(grads, state)  # compiled outside the guard
+    with no_device_reads():
+        report = mpfunc.precision_report(grads, loss_scale=state)  # eagerly
+        jitted = step(grads, state)
+        repr(report)
+        with pytest.raises(HostRead):
+            report.rows()  # reading is what transfers
+    assert jitted.rows() == report.rows()
+    assert report.rows()[0]["name"] == "['embed']"
+
+
+# --- bad input -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, err", [(jnp.int32, TypeError), ("bool", TypeError),
+                                        (object(), TypeError), (jnp.float64, ValueError)])
+def test_a_non_float_dtype_is_refused(dtype, err):
+    with pytest.raises(err, match="`dtype`"):
+        mpfunc.precision_report({"w": jnp.ones(2)}, dtype=dtype)
+
+
+@pytest.mark.parametrize("scale, err", [(0.0, ValueError), (-2.0, ValueError),
+                                        (np.float32(-1), ValueError), (math.nan, ValueError),
+                                        (math.inf, ValueError), (True, TypeError),
+                                        ("8", TypeError), (jnp.ones(2), TypeError)])
+def test_a_bad_scale_is_refused(scale, err):
+    with pytest.raises(err, match="`loss_scale`"):
+        mpfunc.precision_report({"w": jnp.ones(2)}, loss_scale=scale)
+
+
+def test_grads_that_do_not_match_the_params_are_refused():
+    params = model_params()
+    with pytest.raises(ValueError, match=r"`grads` do not match `params`.*\['embed'\]"):
+        mpfunc.precision_report({**params, "embed": jnp.ones((2, 2))}, params=params)
+    with pytest.raises(ValueError, match="`grads` do not match `params`"):
+        mpfunc.precision_report({"w": jnp.ones(2)}, params=params)
+    state = mpfunc.dynamic_scale(optax.sgd(0.1)).init(params)
+    with pytest.raises(ValueError, match="`skip_leaves` must be the params"):
+        mpfunc.scale_metrics(state, skip_leaves={"w": jnp.ones(2)})
+
+
+def test_reading_inside_jit_is_a_clear_error():
+    with pytest.raises(TypeError, match="outside `jit`"):
+        jax.jit(lambda g: mpfunc.precision_report(g).rows())({"w": jnp.ones(2)})
+
+
+# --- forward attribution ---------------------------------------------------------------
+
+def test_linen_names_the_first_module_whose_output_went_nonfinite():
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="out")(nn.relu(nn.Dense(4, name="hidden")(x)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1, name="head")(Block(name="block")(x))
+
+    x = jnp.ones((2, 3))
+    variables = Net().init(jax.random.key(0), x)
+    variables["params"]["block"]["out"]["kernel"] = jnp.full((4, 4), 1e37)  # overflows
+
+    def loss(v):
+        with mpfunc.watch_nonfinite() as watch:
+            y = Net().apply(v, x * 300)
+        return jnp.sum(y), watch.flags
+
+    (_, flags), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables)
+    assert flags.names == ("block/hidden", "block/out", "block", "head", "(root)")
+    report = mpfunc.precision_report(grads, forward=flags)
+    assert report.first_nonfinite_module == "block/out"
+    assert "first non-finite module in the forward: block/out" in str(report)
+    # Off by default: no forward flags, nothing named.
+    assert mpfunc.precision_report(grads).first_nonfinite_module is None
+
+
+def test_nnx_names_the_first_module_and_restores_the_classes():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(3, 4, rngs=rngs)
+            self.b = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    model = Net(nnx.Rngs(0))
+    calls = Net.__dict__["__call__"], nnx.Linear.__dict__["__call__"]
+    model.a.kernel[...] = model.a.kernel[...].at[0, 0].set(jnp.nan)
+
+    def loss(m, x):
+        with mpfunc.watch_nonfinite(m) as watch:
+            y = m(x)
+        return jnp.sum(y), watch.flags
+
+    (_, flags), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model, jnp.ones((2, 3)))
+    assert flags.names == ("a", "b", "(root)")
+    assert flags.set_names() == ["a", "b", "(root)"]
+    assert mpfunc.precision_report(grads, forward=flags).first_nonfinite_module == "a"
+    assert (Net.__dict__["__call__"], nnx.Linear.__dict__["__call__"]) == calls  # restored
+    with pytest.raises(TypeError, match="NNX modules"), mpfunc.watch_nonfinite(object()):
+        pass
+
+
+def test_empty_and_integer_leaves_are_never_named():
+    tree = {"e": jnp.ones((0, 2)), "i": jnp.arange(3), "w": jnp.ones(2)}
+    opt = mpfunc.dynamic_scale()  # the chain form: integer leaves pass through
+    state = opt.init(tree)
+    _, state = opt.update(tree, state, tree)
+    assert bool(state.last_finite)
+    assert mpfunc.scale_metrics(state, skip_leaves=tree)["skip_leaves"] == []
+    _, state = opt.update({**tree, "w": jnp.array([1.0, jnp.inf])}, state, tree)
+    assert mpfunc.scale_metrics(state, skip_leaves=tree)["skip_leaves"] == ["['w']"]
+    rows = mpfunc.precision_report(tree).rows()
+    assert [r["name"] for r in rows] == ["['e']", "['w']"]
+    assert rows[0] == {"name": "['e']", "nonfinite": False, "amax": 0.0, "zero_fraction": 0.0,
+                       "underflow_fraction": 0.0, "headroom_bits": math.inf}
