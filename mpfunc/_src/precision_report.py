@@ -301,6 +301,7 @@ def precision_report(
     .. code-block:: python
 
 {rule}
+
     Pass unscaled gradients with the scale they are trained at (``loss_scale=state``),
     or gradients that already carry the scale (``jax.grad`` of `scale_loss`) with
     ``loss_scale=None``. Inside ``shard_map`` give the ``axis_name`` the finite check

@@ -228,6 +228,7 @@ def precision_report(
     .. code-block:: python
 
 {rule}
+
     The gradients are taken as they are: give the scale they are trained at when they
     are unscaled (after ``optimizer.unscale_()`` / ``step()``), or None when they still
     carry it (right after a scaled ``backward``). `AmpOptimizer.precision_report` knows
