@@ -56,8 +56,8 @@ class AmpOptimizer(WrappedOptimizer):
 
     It keeps the torch optimizer interface (``param_groups``, ``state``, ``zero_grad``,
     ``torch.optim.lr_scheduler`` and optimizer hooks work on it) and adds `backward`,
-    `scale_loss`, `unscale_`, `clip_grad_norm`, `loss_scale`, `skipped_steps` and
-    `scale_metrics`.
+    `scale_loss`, `unscale_`, `clip_grad_norm`, `loss_scale`, `skipped_steps`,
+    `scale_metrics` and `precision_report`.
 
     A step whose gradients hold an inf/NaN (on any rank of ``process_group``) is skipped:
     params, master weights and optimizer state stay exactly as they were, and the loss
