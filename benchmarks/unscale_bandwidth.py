@@ -64,7 +64,8 @@ def jax_part(mib, device, reps):
     import jax
     import jax.numpy as jnp
 
-    from mpfunc._src.loss_scale import _unscale, all_finite
+    from mpfunc import all_finite
+    from mpfunc._src.scale_state import _unscale
 
     dev = jax.devices("gpu" if device == "cuda" else "cpu")[0]
     n = mib * 2**20 // 4

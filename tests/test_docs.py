@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs"))
 import check_site  # noqa: E402
+import plots  # noqa: E402, F401 - used in a test
 import screenshots  # noqa: E402
 
 sys.path.pop(0)
@@ -82,3 +83,19 @@ def test_every_page_is_in_the_site_navigation():
     for page in sorted((ROOT / "docs").glob("*.md")):
         if page.stem != "index":
             assert f"\n{page.stem}\n" in index, page.name
+
+
+def test_the_benchmark_plot_is_drawn_from_the_recorded_table(tmp_path):
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    rows = plots.step_peak_rows(text)
+    names = [n for n, _ in rows]
+    assert names[:2] == ["fp32", "hand-written fp16 + fp32 masters"]
+    assert "mpfunc naive, step_chunks=4" in names and all(10 < v < 25 for _, v in rows)
+    # The bars are the table's numbers: changing one in the text changes the row.
+    changed = text.replace("| mpfunc naive | 18.216 |", "| mpfunc naive | 19.5 |")
+    assert dict(plots.step_peak_rows(changed))["mpfunc naive"] == 19.5
+    drawn = plots.plot_step_peak(text, tmp_path / "p.png")
+    assert drawn == rows and (tmp_path / "p.png").stat().st_size > 10_000
+    # The docs show the committed figures.
+    for png in ("bench-step-peak.png", "compare_modes.png"):
+        assert (ROOT / "docs" / png).stat().st_size > 10_000, png
