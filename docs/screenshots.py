@@ -93,6 +93,7 @@ def check(site: Path, out: Path) -> list[str]:
             problems.append("the search box does not find mpfunc.dynamic_scale")
     finally:
         server.shutdown()
+        server.server_close()
     return problems
 
 
