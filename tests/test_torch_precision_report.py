@@ -61,6 +61,8 @@ def plant(t, value=float("inf")):
 @pytest.mark.parametrize("name", ["0.weight", "2.bias"])
 def test_a_planted_inf_is_named_exactly_in_every_mode(mode, fused, name):
     net, model, opt, crit = convert(mode, fused)
+    if fused:  # a fused kernel decides on the device: the record is asked for
+        opt.record_skip_leaves()
     param = dict(net.named_parameters())[name]
     backward(model, opt, crit)
     clean = opt.precision_report()
@@ -192,6 +194,7 @@ def test_building_a_report_reads_no_device_value():
 
 def test_a_fused_step_records_which_param_skipped_without_a_host_read():
     net, model, opt, crit = convert("torch", fused=True)
+    opt.record_skip_leaves()
     backward(model, opt, crit)
     plant(net[2].weight.grad)
     with no_device_reads():
@@ -407,3 +410,36 @@ def test_watch_sees_every_kind_of_nonfinite_output(bad, dtype):
     assert watch.first_nonfinite_module() == "1"
     net(torch.ones(3, 4, dtype=dtype) * 2)[0:0]  # a new forward, the same answer
     assert watch.snapshot(torch.device("cpu"))[1].tolist() == [False, True, True, True]
+
+
+def test_a_fused_step_checks_in_one_launch_unless_the_record_is_asked_for(monkeypatch):
+    # The fused path's check stays one multi-tensor launch per step by default; the
+    # per-gradient record (one launch per gradient) is opt-in, and asking for its names
+    # without it is an error that says how to turn it on.
+    calls = []
+    real = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def counting(grads, found_inf, inv_scale):
+        calls.append(len(grads))
+        return real(grads, found_inf, inv_scale)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", counting)
+    net, model, opt, crit = convert("torch", fused=True)
+    backward(model, opt, crit)
+    assert opt.step()
+    assert calls == [6]  # one launch over the 6 gradients
+    with pytest.raises(ValueError, match="record_skip_leaves"):
+        opt.scale_metrics(skip_leaves=True)
+    opt.record_skip_leaves()
+    calls.clear()
+    backward(model, opt, crit)
+    plant(net[0].bias.grad)
+    assert not opt.step()
+    assert calls == [1] * 6  # one launch per gradient while recording
+    assert opt.scale_metrics(skip_leaves=True)["skip_leaves"] == ["0.bias"]
+    opt.record_skip_leaves(False)
+    calls.clear()
+    backward(model, opt, crit)
+    assert opt.step() and calls == [6]
+    with pytest.raises(TypeError, match="`enabled` must be a bool"):
+        opt.record_skip_leaves("yes")

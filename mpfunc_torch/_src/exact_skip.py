@@ -115,11 +115,12 @@ def exact_step_(opt, scaled: bool) -> torch.Tensor:
     # Which params make a step skip (scale_metrics(skip_leaves=True)): recorded on the
     # device every step where the host never reads the flag (from the check's own
     # per-gradient flags), else only on a skip.
-    every_step = opt._fused and not host_skip
+    every_step = opt._fused and not host_skip and opt._record_skips_every_step
     if opt._kernel_unscales and scaled and not host_skip:
         step_in_kernel_(opt.optimizer, opt._owned,
                         scaler.scale if scaler.kind != "none" else None, found, opt._groups,
-                        before_step=lambda: skip_flags_every_step_(opt, found),
+                        before_step=(lambda: skip_flags_every_step_(opt, found))
+                        if every_step else None,
                         flags=new_step_flags(opt))
         return found
     chunked = None
@@ -143,7 +144,8 @@ def exact_step_(opt, scaled: bool) -> torch.Tensor:
         skip_flags_every_step_(opt, found)
     take_or_drop_(opt.optimizer, found, opt._pairs, in_kernel=opt._fused,
                   host_skip=host_skip, chunked=chunked,
-                  on_skip=None if every_step else lambda: skip_flags_on_skip_(opt))
+                  on_skip=None if opt._fused and not host_skip
+                  else lambda: skip_flags_on_skip_(opt))
     if chunked and chunked.zeros is not None:
         opt.num_zeros_in_grad = global_zero_count(
             opt._owned, process_group=opt._clip_groups, mark_sources=opt._sources,

@@ -118,6 +118,9 @@ class AmpOptimizer(WrappedOptimizer):
         shared.members.append(self)
         self._scalers = shared.scalers
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        # With a fused optimizer the skip is decided on the device: recording which params
+        # skipped then costs a check launch per gradient every step (record_skip_leaves).
+        self._record_skips_every_step = False
         self._step_chunks = step_chunks  # validated by convert_to_amp
         self._stage = _READY
         self._last = "init"  # the last call that ended a step: for error messages
@@ -200,8 +203,32 @@ class AmpOptimizer(WrappedOptimizer):
             z = self.num_zeros_in_grad
             out["num_zeros_in_grad"] = int(z) if as_python else z
         if skip_leaves:
+            if self._fused and not self._record_skips_every_step:
+                raise ValueError(
+                    "`skip_leaves=True` with a fused optimizer needs "
+                    "`optimizer.record_skip_leaves()` before the steps: its kernel decides a "
+                    "skip on the device, so the record costs one check launch per gradient "
+                    "every step, and is off by default. `optimizer.precision_report()` "
+                    "names the non-finite params of the current step at any time.")
             out["skip_leaves"] = skip_names(self)
         return out
+
+    def record_skip_leaves(self, enabled: bool = True) -> None:
+        """Records which params make a step skip, for ``scale_metrics(skip_leaves=True)``,
+        with a fused optimizer (``fused=True``).
+
+        A non-fused optimizer's step already reads the overflow flag on the host, so
+        its record is taken on a skipped step only, for free, and is always on. A fused
+        optimizer decides the skip inside its kernel with no host read; recording there
+        runs the check once per gradient (one launch each, the same bytes) instead of
+        one multi-tensor launch, every step, so it is off until this is called.
+
+        Args:
+          enabled: True to record from the next step on; False to stop.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"`enabled` must be a bool, got {type(enabled).__name__}.")
+        self._record_skips_every_step = enabled
 
     @_eager
     def precision_report(self, dtype: Any = None, *, process_group: Any = None):

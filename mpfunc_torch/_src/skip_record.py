@@ -3,8 +3,9 @@
 
 Where the host reads ``found_inf`` to decide a skip (a non-fused optimizer), the flags
 are taken only on a skipped step, for free. Where a fused optimizer decides in its
-kernel, the check fills one flag per gradient (`fused.unscale_and_check_`, the same
-bytes) and the record keeps them on the device when the step skips. Flags are
+kernel, and the user asked for it (`AmpOptimizer.record_skip_leaves`), the check fills
+one flag per gradient (`fused.unscale_and_check_`, the same bytes, one launch per
+gradient) and the record keeps them on the device when the step skips. Flags are
 MAX-reduced over the meshes of DTensor params; plain process groups are not reduced
 (their ranks may hold different params: pipeline stages), so each rank names its own.
 The JAX twin is ``LossScaleState.skip_leaves``.
@@ -75,7 +76,7 @@ def new_step_flags(opt) -> torch.Tensor | None:
     gradient the check reads) for the check to fill (see `fused.unscale_and_check_`),
     kept for `skip_flags_every_step_`; None elsewhere (a skip is recorded on the host)."""
     opt._step_flags = None
-    if not opt._fused:
+    if not opt._fused or not opt._record_skips_every_step:
         return None
     index = [i for i, q in enumerate(opt._owned) if q.grad is not None]
     flags = torch.zeros(len(index), dtype=torch.float32, device=opt._device)
