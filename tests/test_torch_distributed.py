@@ -1,42 +1,18 @@
 """Tests for mpfunc_torch._src.distributed: the inf check across real gloo ranks."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from torch_scaleout_models import launch_results
 
 from mpfunc_torch._src.distributed import normalize_groups
 
-WORKER = Path(__file__).with_name("torch_dist_worker.py")
+WORKER = "torch_dist_worker.py"
 pytestmark = pytest.mark.slow
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario, world):
-    port = str(_free_port())
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-               OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), port],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    out = {}
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        assert p.returncode == 0, stderr[-3000:]
-        line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
-        data = json.loads(line[len("RESULT "):])
-        out[data["rank"]] = data
-    return [out[r] for r in range(world)]
+    return launch_results(WORKER, scenario, world, timeout=240)
 
 
 @pytest.mark.parametrize("scenario", ["one_rank_inf", "one_rank_inf_fused"])

@@ -1,19 +1,14 @@
 """Tests for mpfunc_torch._src.precision_report and nonfinite_watch (and the JAX parity)."""
 
 import contextlib
-import json
-import os
-import socket
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch_scaleout_models import launch_results
 
 import mpfunc_torch
 from _mpfunc_common.precision_report import FORMATS
@@ -311,26 +306,11 @@ def test_the_optimizer_report_outside_a_step_is_a_clear_error():
 
 # --- DDP and FSDP2 on gloo -------------------------------------------------------------
 
-WORKER = Path(__file__).with_name("torch_report_worker.py")
+WORKER = "torch_report_worker.py"
 
 
 def launch(scenario, world=2):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-               OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), port],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    out = {}
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        assert p.returncode == 0, stderr[-3000:]
-        data = json.loads(next(ln for ln in stdout.splitlines()
-                               if ln.startswith("RESULT "))[len("RESULT "):])
-        out[data["rank"]] = data
-    return [out[r] for r in range(world)]
+    return launch_results(WORKER, scenario, world)
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ single-process reference runs the sharded runs are compared with.
 Imported by the test files and by `torch_scaleout_worker.py` (one process per rank).
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -280,6 +281,27 @@ def launch(scenario, world, outdir, timeout=420, worker=None):
                 p.kill()
     if errors:
         raise RuntimeError("\n".join(errors))
+
+
+def launch_results(worker, scenario, world, timeout=300):
+    """Runs ``scenario`` of ``worker`` (a script in this folder that prints one line
+    ``RESULT <json>`` with its ``rank``) on ``world`` gloo ranks over loopback; returns
+    the ranks' results in rank order, or fails with the failing rank's stderr."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               OMP_NUM_THREADS="1")
+    port = str(_free_port())
+    script = Path(__file__).parent / worker
+    procs = [subprocess.Popen([sys.executable, str(script), scenario, str(r), str(world), port],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    out = {}
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        assert p.returncode == 0, stderr[-3000:]
+        line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
+        data = json.loads(line[len("RESULT "):])
+        out[data["rank"]] = data
+    return [out[r] for r in range(world)]
 
 
 def launched(tmp_path_factory, scenario, world, section):
