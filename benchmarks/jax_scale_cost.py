@@ -36,12 +36,12 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
+import gpu_report
 import jax
 import jax.numpy as jnp
 import optax
@@ -391,13 +391,7 @@ def measure(variants, depth, batch, compile_repeats, rounds, iters, isolated=Tru
 
 def cpu_name():
     """The CPU's model name and core count (platform.processor() is often empty)."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{gpu_report.cpu_name()}, {os.cpu_count()} cores"
 
 
 def _importable(module):

@@ -31,19 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
+from gpu_report import cpu_name
+
 
 def _cpu() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"CPU {name}, {os.cpu_count()} cores"
+    return f"CPU {cpu_name()}, {os.cpu_count()} cores"
 
 
 def _interleaved(steps: dict, rounds: int, iters: int, sync=lambda: None) -> dict:
