@@ -423,3 +423,15 @@ def test_a_fused_step_checks_in_one_launch_unless_the_record_is_asked_for(monkey
     assert opt.step() and calls == [6]
     with pytest.raises(TypeError, match="`enabled` must be a bool"):
         opt.record_skip_leaves("yes")
+
+
+def test_a_recorded_fused_skip_names_the_right_param_when_some_have_no_gradient():
+    # The check's flags cover only params with a gradient; the record puts each back at
+    # its param's place.
+    net, model, opt, crit = convert("torch", fused=True)
+    opt.record_skip_leaves()
+    backward(model, opt, crit)
+    net[0].bias.grad = None          # this param has no gradient this step
+    plant(net[2].weight.grad)
+    assert not opt.step()
+    assert opt.scale_metrics(skip_leaves=True)["skip_leaves"] == ["2.weight"]

@@ -96,8 +96,7 @@ def skip_flags_every_step_(opt, found_inf: torch.Tensor) -> None:
         index, flags = kept
         if len(index) != len(opt._owned):  # some params have no gradient this step
             full = torch.zeros(len(opt._owned), dtype=torch.float32, device=opt._device)
-            for j, i in enumerate(index):
-                full[i] = flags[j]
+            full[torch.tensor(index, device=opt._device)] = flags  # one scatter
             flags = full
         all_reduce_found_inf_(flags, mesh_groups(opt._owned + opt._sources))
     prev = getattr(opt, "_skip_flags", None)
