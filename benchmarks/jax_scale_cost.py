@@ -233,6 +233,10 @@ def scaling_variants():
         JMP_VARIANT: ("plain optax.adam", *jmp_step(adam), ident),
         "mpfunc.dynamic_scale(adam)": ("plain optax.adam",
                                        *optax_step(mpfunc.dynamic_scale(adam), True), ident),
+        # The opt-in skip record (scale_metrics(skip_leaves=...)): one reduction per leaf.
+        "mpfunc.dynamic_scale(adam, record_skip_leaves=True)": (
+            "plain optax.adam",
+            *optax_step(mpfunc.dynamic_scale(adam, record_skip_leaves=True), True), ident),
         "mpfunc.value_and_grad + dynamic_scale(adam)": (
             "plain optax.adam", *helper_step(mpfunc.dynamic_scale(adam)), ident),
         "mpfunc.static_scale(2**10, adam)": (

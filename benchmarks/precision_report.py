@@ -4,7 +4,9 @@ JAX: the MLP of ``jax_loss_scale.py`` (512-768-768-10 by default, batch 512) as 
 Linen module, float16 compute (``mpfunc.get_policy("c=f16")``), jitted steps:
 
 1. ``plain``: optax Adam, no scaling;
-2. ``mpfunc``: ``mpfunc.dynamic_scale(adam)`` (its state keeps the skip record);
+2. ``mpfunc``: ``mpfunc.dynamic_scale(adam)``;
+   ``+ skip record``: ``dynamic_scale(adam, record_skip_leaves=True)`` (one reduction
+   per leaf instead of one per group of alike leaves);
 3. ``+ report``: the same step also builds ``mpfunc.precision_report`` of the unscaled
    gradients and returns it (never read);
 4. ``+ report + watch``: and the forward runs under ``mpfunc.watch_nonfinite``.
@@ -13,10 +15,9 @@ torch: the 10M-param MLP of ``torch_memory.py`` (10 Linear(1024)+LayerNorm+GELU 
 and a head, batch 64) with ``Adam(fused=True)``, in torch mode (float16 autocast) and
 bf16 mode:
 
-1. ``mpfunc``: ``optimizer.backward``, ``step`` (the shipped step: with a fused
-   optimizer it records which params were non-finite on the device every step);
-2. ``mpfunc, no skip record``: the same with that per-step record switched off (to
-   measure it);
+1. ``mpfunc``: ``optimizer.backward``, ``step`` (the default step);
+2. ``+ skip record``: after ``optimizer.record_skip_leaves()`` (with a fused optimizer
+   the check then runs per gradient, to record which params were non-finite);
 3. ``+ report``: ``optimizer.precision_report()`` between backward and step (never read);
 4. ``+ report + watch``: and the model under ``mpfunc_torch.watch_nonfinite``.
 
@@ -104,22 +105,26 @@ def run_jax(args) -> dict:
         u, s = adam.update(grads, s, p)
         return optax.apply_updates(p, u), s
 
-    def make(report, watch):
+    recording = mpfunc.dynamic_scale(adam, record_skip_leaves=True)
+
+    def make(report, watch, tx=scaled):
         @jax.jit
         def step(p, s):
             out = mpfunc.value_and_grad(lambda q: loss_fn(q, watch), has_aux=True)(s, p)
             r = (mpfunc.precision_report(out.grads, loss_scale=s, forward=out.value[1])
                  if report else None)
-            u, s = scaled.update(out, s, p)
+            u, s = tx.update(out, s, p)
             return optax.apply_updates(p, u), s, r
         return step
 
     states = {"plain": [params, adam.init(params)]}
-    fns = {"plain": plain, "mpfunc": make(False, False), "+ report": make(True, False),
+    fns = {"plain": plain, "mpfunc": make(False, False),
+           "+ skip record": make(False, False, recording), "+ report": make(True, False),
            "+ report + watch": make(True, True)}
     for k in fns:
         if k != "plain":
-            states[k] = [params, scaled.init(params)]
+            tx = recording if k == "+ skip record" else scaled
+            states[k] = [params, tx.init(params)]
 
     def runner(k):
         def run():
@@ -140,7 +145,6 @@ def run_torch(args) -> dict:
     import torch
 
     import mpfunc_torch
-    from mpfunc_torch._src import exact_skip
 
     def make_model():
         torch.manual_seed(0)
@@ -155,29 +159,27 @@ def run_torch(args) -> dict:
     x = torch.randn(args.torch_batch, args.torch_width, device=device)
     y = torch.randint(0, 10, (args.torch_batch,), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    real_record = exact_skip.skip_flags_every_step_
     out = {}
     for mode in ("torch", "bf16"):
-        def make(report, watch, record=True, mode=mode):
+        def make(report, watch, record=False, mode=mode):
             net = make_model().to(device)
             opt = torch.optim.Adam(net.parameters(), lr=1e-4, fused=True)
             model, opt, crit = mpfunc_torch.convert_to_amp(
                 net, opt, torch.nn.CrossEntropyLoss(), mode=mode)
             if watch:
                 mpfunc_torch.watch_nonfinite(model)
+            if record:
+                opt.record_skip_leaves()
 
             def step():
-                exact_skip.skip_flags_every_step_ = (
-                    real_record if record else lambda opt, found: None)
                 opt.zero_grad()
                 opt.backward(crit(model(x), y))
                 if report:
                     opt.precision_report()
                 opt.step()
-                exact_skip.skip_flags_every_step_ = real_record
             return step
 
-        steps = {"mpfunc": make(False, False), "mpfunc, no skip record": make(False, False, False),
+        steps = {"mpfunc": make(False, False), "+ skip record": make(False, False, True),
                  "+ report": make(True, False), "+ report + watch": make(True, True)}
         med = _interleaved(steps, args.rounds, args.torch_iters, sync)
         out[mode] = {"median_step_ms": med,

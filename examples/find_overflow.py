@@ -96,7 +96,8 @@ def run_jax(steps: int) -> dict:
             logits = model.apply({"params": params}, x)
         return logits, watch.flags
 
-    amp = mpfunc.convert_to_amp(apply, optax.adam(1e-3), mode="torch")
+    # record_skip_leaves: the state keeps which leaves made the last step skip.
+    amp = mpfunc.convert_to_amp(apply, optax.adam(1e-3), mode="torch", record_skip_leaves=True)
     state = amp.optimizer.init(params)
 
     def loss_fn(params, x, y):

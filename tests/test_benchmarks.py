@@ -71,11 +71,11 @@ def test_precision_report(tmp_path):
                "--iters", "1", "--depth", "1", "--torch-width", "32", "--torch-batch", "4",
                "--torch-iters", "1", "--json", str(out))
     r = json.loads(out.read_text())
-    assert set(r["jax"]["median_step_ms"]) == {"plain", "mpfunc", "+ report",
-                                               "+ report + watch"}
+    assert set(r["jax"]["median_step_ms"]) == {"plain", "mpfunc", "+ skip record",
+                                               "+ report", "+ report + watch"}
     for mode in ("torch", "bf16"):
         times = r["torch"]["modes"][mode]["median_step_ms"]
-        assert set(times) == {"mpfunc", "mpfunc, no skip record", "+ report",
+        assert set(times) == {"mpfunc", "+ skip record", "+ report",
                               "+ report + watch"} and min(times.values()) > 0
 
 

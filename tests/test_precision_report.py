@@ -115,7 +115,8 @@ def test_the_report_survives_a_jit_round_trip_bit_for_bit():
     ("apex", {"opt_level": "O3"}), ("naive", {}), ("bf16", {})])
 @pytest.mark.parametrize("path", PATHS)
 def test_every_mode_records_which_leaf_made_it_skip(mode, config, path):
-    amp = mpfunc.convert_to_amp(lambda p, x: x, adam(1e-3), mode=mode, **config)
+    amp = mpfunc.convert_to_amp(lambda p, x: x, adam(1e-3), mode=mode,
+                                record_skip_leaves=True, **config)
     params = model_params()
     del params["step"]  # (Adam steps floating params only)
     params = amp.cast_params(params)
@@ -135,17 +136,64 @@ def test_every_mode_records_which_leaf_made_it_skip(mode, config, path):
     assert report.nonfinite_paths() == [path]
 
 
-def test_the_skip_record_comes_from_the_finite_checks_own_reductions():
-    # The record costs no reduction of its own: the update's program has as many
-    # reductions as the finite check alone (one per group of alike leaves, here embed,
-    # the two w and the two b, and the sum of the per-leaf flags).
+def test_the_skip_record_is_opt_in_and_then_one_reduction_per_leaf():
+    # Without the record the update reduces as the finite check alone: one reduction per
+    # group of alike leaves (embed, the two w, the two b) and the sum of the flags. With
+    # it, one per leaf (so that every non-finite leaf is flagged) and the sum.
     params = model_params()
     del params["step"]
+    check = jax.jit(mpfunc.all_finite).lower(params).as_text()
+    assert check.count("stablehlo.reduce") == 4
+    for record, reductions in ((False, 4), (True, 6)):
+        opt = mpfunc.dynamic_scale(optax.sgd(0.1), record_skip_leaves=record)
+        state = opt.init(params)
+        assert (state.skip_leaves is not None) is record
+        hlo = jax.jit(opt.update).lower(params, state, params).as_text()
+        assert hlo.count("stablehlo.reduce") == reductions
+    default = mpfunc.dynamic_scale(optax.sgd(0.1)).init(params)
+    assert len(jax.tree.leaves(default)) == 6  # the fields' leaves before the record
+
+
+@pytest.mark.parametrize("paths", [["['layers'][0]['w']", "['layers'][1]['w']"],
+                                   ["['embed']", "['layers'][0]['b']", "['layers'][1]['b']"]])
+@pytest.mark.parametrize("form", ["wrapper", "chain", "static", "none"])
+def test_the_record_names_every_non_finite_leaf_even_among_alike_ones(paths, form):
+    # The two w (and the two b) are reduced together by the default finite check; the
+    # record must still name both when both overflow.
+    params = floats(jnp.ones_like, model_params())
+    del params["step"]
+    opt = {"wrapper": lambda: mpfunc.dynamic_scale(optax.sgd(0.1), record_skip_leaves=True),
+           "chain": lambda: mpfunc.chain(mpfunc.dynamic_scale(record_skip_leaves=True),
+                                         optax.sgd(0.1)),
+           "static": lambda: mpfunc.static_scale(8.0, optax.sgd(0.1), record_skip_leaves=True),
+           "none": lambda: mpfunc.no_scale(optax.sgd(0.1), record_skip_leaves=True)}[form]()
+    state = opt.init(params)
+    grads = params
+    for i, path in enumerate(paths):
+        grads = plant(grads, path, [jnp.inf, jnp.nan, -jnp.inf][i])
+    _, state = jax.jit(opt.update)(grads, state, params)
+    assert not state.last_finite
+    assert mpfunc.scale_metrics(state, skip_leaves=params)["skip_leaves"] == paths
+    assert mpfunc.precision_report(grads).nonfinite_paths() == paths
+
+
+def test_a_state_without_the_record_says_how_to_keep_one():
+    params = {"w": jnp.ones(2)}
     opt = mpfunc.dynamic_scale(optax.sgd(0.1))
     state = opt.init(params)
-    hlo = jax.jit(opt.update).lower(params, state, params).as_text()
-    check = jax.jit(mpfunc.all_finite).lower(params).as_text()
-    assert hlo.count("stablehlo.reduce") == check.count("stablehlo.reduce") == 4
+    _, state = opt.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    assert not state.last_finite and state.skip_leaves is None
+    with pytest.raises(ValueError, match="record_skip_leaves=True"):
+        mpfunc.scale_metrics(state, skip_leaves=params)
+    assert "skip_leaves" not in mpfunc.scale_metrics(state)
+    with pytest.raises(TypeError, match="`record_skip_leaves` must be True or False"):
+        mpfunc.dynamic_scale(record_skip_leaves="yes")
+    # A transformation without the record leaves a recording state's record as it was.
+    rec = mpfunc.dynamic_scale(optax.sgd(0.1), record_skip_leaves=True)
+    state = rec.init(params)
+    _, state = rec.update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+    _, state = opt.update({"w": jnp.ones(2)}, state, params)
+    assert mpfunc.scale_metrics(state, skip_leaves=params)["skip_leaves"] == ["['w']"]
 
 
 def mesh():
@@ -159,7 +207,8 @@ def test_shard_map_one_bad_shard_is_named_on_every_shard(path):
     params = floats(jnp.ones_like, model_params())
     del params["step"]
     specs = {"embed": P("data", None), "layers": [{"w": P(None, "model"), "b": P()}] * 2}
-    opt = mpfunc.dynamic_scale(optax.sgd(0.1), axis_name=("data", "model"))
+    opt = mpfunc.dynamic_scale(optax.sgd(0.1), axis_name=("data", "model"),
+                               record_skip_leaves=True)
     state = opt.init(params)
 
     def step(grads, state):
@@ -304,7 +353,7 @@ def test_grads_that_do_not_match_the_params_are_refused():
         mpfunc.precision_report({**params, "embed": jnp.ones((2, 2))}, params=params)
     with pytest.raises(ValueError, match="`grads` do not match `params`"):
         mpfunc.precision_report({"w": jnp.ones(2)}, params=params)
-    state = mpfunc.dynamic_scale(optax.sgd(0.1)).init(params)
+    state = mpfunc.dynamic_scale(optax.sgd(0.1), record_skip_leaves=True).init(params)
     with pytest.raises(ValueError, match="`skip_leaves` must be the params"):
         mpfunc.scale_metrics(state, skip_leaves={"w": jnp.ones(2)})
 
@@ -378,7 +427,7 @@ def test_nnx_names_the_first_module_and_restores_the_classes():
 
 def test_empty_and_integer_leaves_are_never_named():
     tree = {"e": jnp.ones((0, 2)), "i": jnp.arange(3), "w": jnp.ones(2)}
-    opt = mpfunc.dynamic_scale()  # the chain form: integer leaves pass through
+    opt = mpfunc.dynamic_scale(record_skip_leaves=True)  # chain form: integers pass through
     state = opt.init(tree)
     _, state = opt.update(tree, state, tree)
     assert bool(state.last_finite)

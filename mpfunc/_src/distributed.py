@@ -118,7 +118,7 @@ def _combine(left: tuple, right: tuple) -> tuple:
     return (lax.bitwise_and(left[0], right[0]), jnp.where(right[0], left[1], right[1]))
 
 
-def nonfinite_leaf_flags(tree: Any) -> jax.Array:
+def nonfinite_leaf_flags(tree: Any, *, exact: bool = False) -> jax.Array:
     """One int32 per floating leaf of ``tree``, in tree order: 1 for a leaf that the
     check found holding an inf or NaN, else 0.
 
@@ -126,8 +126,11 @@ def nonfinite_leaf_flags(tree: Any) -> jax.Array:
     layout (`_group_key`), one reduction per group (`_group_last_bad`). A group with a
     non-finite leaf flags one of them: the last in tree order (so the flags sum to the
     number of such groups, zero exactly when every leaf is finite). Each leaf's flag is
-    picked out of the groups' marks by one gather.
+    picked out of the groups' marks by one gather. With ``exact``, each leaf is a group
+    of its own: every non-finite leaf is flagged, for one reduction (and, on XLA:CPU,
+    one compiled kernel) per leaf.
     """
+    size = 1 if exact else _GROUP
     groups: dict[tuple, list] = {}
     n = 0
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -138,8 +141,8 @@ def nonfinite_leaf_flags(tree: Any) -> jax.Array:
     # An empty leaf points at a zero mark and expects 1 from it: never flagged.
     marks, where, mark = [], np.full(n, -1, np.int32), np.ones(n, np.uint8)
     for members in groups.values():
-        for i in range(0, len(members), _GROUP):
-            chunk = members[i:i + _GROUP]
+        for i in range(0, len(members), size):
+            chunk = members[i:i + size]
             for j, (leaf, _) in enumerate(chunk):
                 where[leaf], mark[leaf] = len(marks), j + 1
             marks.append(_group_last_bad([x for _, x in chunk]))
@@ -253,17 +256,18 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     return finite_and_flags(tree, check_axis_name(axis_name))[0]
 
 
-def finite_and_flags(tree: Any, axis_name: AxisName = None) -> tuple[jax.Array, jax.Array]:
+def finite_and_flags(tree: Any, axis_name: AxisName = None, *,
+                     exact: bool = False) -> tuple[jax.Array, jax.Array]:
     """`all_finite` and, from the same reductions, which leaves are not finite.
 
     Returns:
       ``(finite, flags)``: the bool scalar of `all_finite`, and a bool vector with one
-      flag per floating leaf of ``tree`` in tree order (`nonfinite_leaf_flags`), True
-      where the leaf holds an inf or NaN on any shard of ``axis_name``. The per-leaf
-      flags are ``psum``-med over ``axis_name`` in one collective, and the decision is
-      taken from their sum.
+      flag per floating leaf of ``tree`` in tree order (`nonfinite_leaf_flags`, with
+      ``exact``), True where the leaf holds an inf or NaN on any shard of
+      ``axis_name``. The per-leaf flags are ``psum``-med over ``axis_name`` in one
+      collective, and the decision is taken from their sum.
     """
-    flags = nonfinite_leaf_flags(tree)
+    flags = nonfinite_leaf_flags(tree, exact=exact)
     if axis_name is not None:
         flags = psum_over(flags, axis_name)
     elif varying := _varying_axes(flags):

@@ -21,6 +21,7 @@ from mpfunc._src.distributed import AxisName, _is_float, check_axis_name, finite
 from mpfunc._src.exact_skip import cond_skip_update, neg_zeros_like, skip_update
 from mpfunc._src.precision_report import skip_record, skip_record_init
 from mpfunc._src.scale_rule import (
+    as_transformation,
     check_inner_state,
     check_updates_fit,
     leaf_shapes,
@@ -37,28 +38,6 @@ __all__ = [
 ]
 
 _INT32_MAX = 2**31 - 1
-
-
-def as_transformation(tx: Any, name: str = "inner") -> optax.GradientTransformationExtraArgs:
-    """``tx`` as an optax transformation with extra-args support.
-
-    Accepts a ``GradientTransformation`` or anything with ``.gradient_transformation()``,
-    such as ``optax.MultiSteps``.
-
-    Raises:
-      TypeError: naming ``name``, what was expected and what was found.
-    """
-    if not isinstance(tx, optax.GradientTransformation):
-        get = getattr(tx, "gradient_transformation", None)
-        if callable(get) and isinstance(out := get(), optax.GradientTransformation):
-            tx = out
-        else:
-            raise TypeError(
-                f"`{name}` must be an optax GradientTransformation (e.g. optax.adam(1e-3)) "
-                "or have `.gradient_transformation()` (e.g. optax.MultiSteps), got "
-                f"{type(tx).__name__}."
-            )
-    return optax.with_extra_args_support(tx)
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -78,19 +57,23 @@ def _scale_transform(
     static_value: float | None,
     axis_name: AxisName,
     skip_with: str = "fused",
+    record_skip_leaves: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Shared body of dynamic/static/no scaling; ``cfg=None`` means a fixed scale.
 
     ``skip_with`` picks how a wrapper-form skip is built: ``"fused"`` (the default; see
     `mpfunc._src.exact_skip`), ``"select"`` (a select on the outputs) or ``"cond"``
     (``lax.cond``). All three give bit-identical results; the benchmarks compare their
-    memory and compile time.
+    memory and compile time. ``record_skip_leaves``: see `dynamic_scale`.
     """
     if inner is not None:
         inner = as_transformation(inner)
     axis_name = check_axis_name(axis_name)
     if skip_with not in ("fused", "select", "cond"):
         raise ValueError(f"`skip_with` must be 'fused', 'select' or 'cond', got {skip_with!r}.")
+    if not isinstance(record_skip_leaves, bool):
+        raise TypeError("`record_skip_leaves` must be True or False, got "
+                        f"{type(record_skip_leaves).__name__}: {record_skip_leaves!r}.")
     initial = cfg.initial_scale if cfg is not None else static_value
     hysteresis = cfg.hysteresis if cfg is not None else 1
     unscale = not (cfg is None and static_value == 1.0)
@@ -109,7 +92,7 @@ def _scale_transform(
             consecutive_skips=jnp.zeros((), jnp.int32),
             last_finite=jnp.asarray(True),
             inner_state=inner.init(params) if inner is not None else optax.EmptyState(),
-            skip_leaves=skip_record_init(params),
+            skip_leaves=skip_record_init(params) if record_skip_leaves else None,
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -127,7 +110,7 @@ def _scale_transform(
             # The check reads the gradients as they came where it gives the same answer,
             # so that it does not need the unscaled ones materialised for it.
             checked = grads if below_one else updates
-        finite, leaf_flags = finite_and_flags(checked, axis_name)
+        finite, leaf_flags = finite_and_flags(checked, axis_name, exact=record_skip_leaves)
         if checked is updates and unscale:
             # That holds at a scale >= 1 only: a state restored from a config that went
             # below 1 (or holding 0 or NaN) skips this step, and the next scale is in range.
@@ -172,13 +155,14 @@ def _scale_transform(
             consecutive_skips=jnp.where(finite, 0, in_a_row + 1),
             last_finite=finite,
             inner_state=new_inner,
-            skip_leaves=skip_record(state.skip_leaves, leaf_flags, finite),
+            skip_leaves=(skip_record(state.skip_leaves, leaf_flags, finite)
+                         if record_skip_leaves else state.skip_leaves),
         )
 
     def rewrap(new_inner):
         return _scale_transform(
             new_inner, cfg=cfg, static_value=static_value, axis_name=axis_name,
-            skip_with=skip_with,
+            skip_with=skip_with, record_skip_leaves=record_skip_leaves,
         )
 
     # Lets `mpfunc.chain` turn a chain-form link into the wrapper form.
@@ -251,6 +235,10 @@ _DYNAMIC_DOC = """Dynamic loss scaling as an optax transformation.
       max_scale: ceiling of the scale (inf = none).
       axis_name: mesh axis name(s) over which the finite check is ``psum``-med, for use
         inside ``shard_map``/``pmap``. Not needed under plain ``jit``.
+      record_skip_leaves: keep, in the state, which gradient leaves held an inf or NaN
+        at the last skipped step, for ``scale_metrics(state, skip_leaves=params)``. Off
+        by default: the finite check then reduces up to 16 alike leaves at once (one
+        compiled kernel each on XLA:CPU); the record needs one reduction per leaf.
 
     Hyperparameters may be Python numbers or concrete NumPy/JAX scalars
     (``jnp.float32(2.**15)``, ``growth_interval=5.``), as jmp users write them; each is
@@ -289,6 +277,7 @@ def dynamic_scale(
     min_scale: float | None = None,
     max_scale: float | None = None,
     axis_name: AxisName = None,
+    record_skip_leaves: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     cfg = resolve_scale_config(
         preset,
@@ -300,7 +289,8 @@ def dynamic_scale(
         min_scale=min_scale,
         max_scale=max_scale,
     )
-    return _scale_transform(inner, cfg=cfg, static_value=None, axis_name=axis_name)
+    return _scale_transform(inner, cfg=cfg, static_value=None, axis_name=axis_name,
+                            record_skip_leaves=record_skip_leaves)
 
 
 dynamic_scale.__doc__ = _DYNAMIC_DOC.format(rule=UPDATE_RULE)
@@ -311,6 +301,7 @@ def static_scale(
     inner: Any = None,
     *,
     axis_name: AxisName = None,
+    record_skip_leaves: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """A fixed loss scale. Non-finite steps are still skipped (and counted).
 
@@ -321,6 +312,7 @@ def static_scale(
         float32; it must be a normal float32 (in [2**-126, 3.4e38]).
       inner: the wrapped transformation, or None for the chain form.
       axis_name: mesh axes for the finite check, as in `dynamic_scale`.
+      record_skip_leaves: keep the skip record, as in `dynamic_scale`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -341,13 +333,15 @@ def static_scale(
         shown = f"{given!r}" + (f" (float32: {value!r})" if value != given else "")
         raise ValueError(f"`scale` must be in [2**-126, 3.4e38] (a normal float32), got "
                          f"{shown}.")
-    return _scale_transform(inner, cfg=None, static_value=value, axis_name=axis_name)
+    return _scale_transform(inner, cfg=None, static_value=value, axis_name=axis_name,
+                            record_skip_leaves=record_skip_leaves)
 
 
 def no_scale(
     inner: Any = None,
     *,
     axis_name: AxisName = None,
+    record_skip_leaves: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """No loss scaling (scale 1), but non-finite steps are still skipped and counted.
 
@@ -357,6 +351,7 @@ def no_scale(
     Args:
       inner: the wrapped transformation, or None for the chain form.
       axis_name: mesh axes for the finite check, as in `dynamic_scale`.
+      record_skip_leaves: keep the skip record, as in `dynamic_scale`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -367,7 +362,8 @@ def no_scale(
       >>> float(mpfunc.loss_scale(opt.init({"w": jnp.ones(2)})))
       1.0
     """
-    return _scale_transform(inner, cfg=None, static_value=1.0, axis_name=axis_name)
+    return _scale_transform(inner, cfg=None, static_value=1.0, axis_name=axis_name,
+                            record_skip_leaves=record_skip_leaves)
 
 
 def chain(*links: Any) -> optax.GradientTransformationExtraArgs:

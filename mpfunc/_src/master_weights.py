@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpfunc._src.loss_scale import as_transformation
+from mpfunc._src.scale_rule import as_transformation
 
 __all__ = ["MasterWeightsState", "master_weights"]
 

@@ -17,9 +17,10 @@ from mpfunc._src.autocast import autocast, half_model
 from mpfunc._src.clipping import clip_by_global_norm, sharded_sum
 from mpfunc._src.distributed import check_axis_name
 from mpfunc._src.fp8_convert import fp8_mode_apply
-from mpfunc._src.loss_scale import _scale_transform, as_transformation
+from mpfunc._src.loss_scale import _scale_transform
 from mpfunc._src.master_weights import master_weights
 from mpfunc._src.policy import Policy
+from mpfunc._src.scale_rule import as_transformation
 
 __all__ = ["AmpSetup", "ZeroCountState", "convert_to_amp", "count_zeros", "is_norm_param"]
 
@@ -115,6 +116,7 @@ def convert_to_amp(
     is_norm: Callable[[tuple, Any], bool] = is_norm_param,
     axis_name: Any = None,
     specs: Any = None,
+    record_skip_leaves: bool = False,
     **config: Any,
 ) -> AmpSetup:
     """Sets up a mixed-precision train step: the JAX mirror of ``mpfunc_torch.convert_to_amp``.
@@ -169,6 +171,8 @@ def convert_to_amp(
       specs: with ``shard_map(check_vma=False)``, the params' ``PartitionSpec`` pytree
         (their ``in_specs``), which tells the norm and the count how each gradient is
         sharded; not needed with ``check_vma=True`` (the default).
+      record_skip_leaves: keep which gradient leaves made the last step skip, for
+        ``scale_metrics(state, skip_leaves=params)`` (see `mpfunc.dynamic_scale`).
       **config: the mode's keys (see ``mpfunc_torch.convert_to_amp``).
 
     Returns:
@@ -214,7 +218,8 @@ def convert_to_amp(
         # Plain float32. The state still has a (unit) loss scale, so the same train step
         # runs with AMP on and off; non-finite steps are still skipped (free under jit).
         policy = Policy(f32, f32, f32)
-        tx = _scale_transform(optimizer, cfg=None, static_value=1.0, axis_name=axis_name)
+        tx = _scale_transform(optimizer, cfg=None, static_value=1.0, axis_name=axis_name,
+                              record_skip_leaves=record_skip_leaves)
         return AmpSetup(apply_fn, tx, policy, lambda p: jax.tree.map(  # new buffers, as below
             lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, p), plan)
 
@@ -264,8 +269,9 @@ def convert_to_amp(
         inner = master_weights(inner)
     if plan.scale_kind == "dynamic":
         tx = _scale_transform(inner, cfg=plan.scale_config, static_value=None,
-                              axis_name=axis_name)
+                              axis_name=axis_name, record_skip_leaves=record_skip_leaves)
     else:
         value = plan.static_scale if plan.scale_kind == "static" else 1.0
-        tx = _scale_transform(inner, cfg=None, static_value=value, axis_name=axis_name)
+        tx = _scale_transform(inner, cfg=None, static_value=value, axis_name=axis_name,
+                              record_skip_leaves=record_skip_leaves)
     return AmpSetup(wrapped, tx, policy, cast_params, plan)

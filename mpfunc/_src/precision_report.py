@@ -5,8 +5,9 @@
 pytree of device arrays: it runs inside a jitted step (or ``shard_map``) and is read on
 the host only when asked. The torch twin is ``mpfunc_torch/_src/precision_report.py``.
 
-The loss-scale transformations also keep, in their state, which leaves were non-finite
-at the last skipped step (`skip_record`, read by ``scale_metrics(..., skip_leaves=params)``).
+With ``record_skip_leaves=True``, the loss-scale transformations also keep, in their
+state, which leaves were non-finite at the last skipped step (`skip_record`, read by
+``scale_metrics(..., skip_leaves=params)``).
 """
 
 from __future__ import annotations
@@ -390,11 +391,16 @@ def skip_record(prev: jax.Array | None, flags: jax.Array, finite: jax.Array) -> 
 def skip_paths(record: Any, params: Any) -> list[str]:
     """The keystr paths of ``params``' floating leaves whose flag is set in ``record``
     (one read from the device)."""
+    if record is None:
+        raise ValueError(
+            "`skip_leaves` needs the loss-scale state's skip record, and this state keeps "
+            "none: build the transformation with `record_skip_leaves=True` "
+            "(`mpfunc.dynamic_scale`, `static_scale`, `no_scale` or `convert_to_amp`) and "
+            "init the state with it. `mpfunc.precision_report(grads)` names every "
+            "non-finite leaf of a step without it.")
     paths = _float_leaves(params)[0]
-    if record is None or len(paths) != record.shape[0]:
-        n = "none" if record is None else record.shape[0]
+    if len(paths) != record.shape[0]:
         raise ValueError(
             f"`skip_leaves` must be the params the loss-scale state was made for: it has "
-            f"{len(paths)} floating leaves, the state's record has {n} (a state built by "
-            "hand has none).")
+            f"{len(paths)} floating leaves, the state's record has {record.shape[0]}.")
     return [p for p, f in zip(paths, _host_flags(record)) if f]

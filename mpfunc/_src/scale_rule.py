@@ -11,10 +11,33 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from _mpfunc_common.scale_config import FLOAT32_MAX, ScaleConfig
 
-__all__ = ["check_inner_state", "next_scale"]
+__all__ = ["as_transformation", "check_inner_state", "next_scale"]
+
+
+def as_transformation(tx: Any, name: str = "inner") -> optax.GradientTransformationExtraArgs:
+    """``tx`` as an optax transformation with extra-args support.
+
+    Accepts a ``GradientTransformation`` or anything with ``.gradient_transformation()``,
+    such as ``optax.MultiSteps``.
+
+    Raises:
+      TypeError: naming ``name``, what was expected and what was found.
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        get = getattr(tx, "gradient_transformation", None)
+        if callable(get) and isinstance(out := get(), optax.GradientTransformation):
+            tx = out
+        else:
+            raise TypeError(
+                f"`{name}` must be an optax GradientTransformation (e.g. optax.adam(1e-3)) "
+                "or have `.gradient_transformation()` (e.g. optax.MultiSteps), got "
+                f"{type(tx).__name__}."
+            )
+    return optax.with_extra_args_support(tx)
 
 
 def leaf_shapes(tree: Any) -> list:

@@ -44,12 +44,13 @@ class LossScaleState(NamedTuple):
         (saturating); optax's ``notfinite_count``.
       last_finite: bool, whether the most recent step's gradients were all finite.
       inner_state: the wrapped transformation's state (``optax.EmptyState()`` if none).
-      skip_leaves: bool ``[n]``, one flag per floating leaf of the params given to
-        ``init``, in tree order: the leaves that held an inf or NaN at the last skipped
-        step (all False before any). It comes from the finite check's own reductions, so
-        it costs a step nothing. Read it by name with
-        ``scale_metrics(opt_state, skip_leaves=params)``. Gradients with other leaves
-        than ``init``'s params leave it as it was; None in a state built by hand.
+      skip_leaves: None, or with ``record_skip_leaves=True`` a bool ``[n]``: one flag
+        per floating leaf of the params given to ``init``, in tree order, set for the
+        leaves that held an inf or NaN at the last skipped step (all False before any).
+        It comes from the finite check's reductions (one per leaf then). Read it by name
+        with ``scale_metrics(opt_state, skip_leaves=params)``. Gradients with other
+        leaves than ``init``'s params leave it as it was. Without it the state has the
+        seven fields' leaves it had before the record existed.
     """
 
     loss_scale: jax.Array
@@ -162,7 +163,9 @@ def scale_metrics(opt_state: Any, *, skip_leaves: Any = None) -> dict[str, Any]:
 
     Given the params as ``skip_leaves`` (outside ``jit``, when you log), the dict also
     holds ``skip_leaves``: the keystr paths of the gradient leaves that held an inf or
-    NaN at the last skipped step (``[]`` before any), read from the device then.
+    NaN at the last skipped step (``[]`` before any), read from the device then. That
+    needs the state's record: build the transformation with
+    ``record_skip_leaves=True``.
 
     Args:
       opt_state: an optax state tree holding one `LossScaleState`.
@@ -174,7 +177,8 @@ def scale_metrics(opt_state: Any, *, skip_leaves: Any = None) -> dict[str, Any]:
 
     Raises:
       ValueError: ``opt_state`` holds no `LossScaleState` (or several); ``skip_leaves``
-        with another number of floating leaves than the state's record.
+        with another number of floating leaves than the state's record, or for a state
+        that keeps no record.
       TypeError: ``skip_leaves`` inside ``jit`` (the names are read on the host).
 
     Examples:
