@@ -12,6 +12,7 @@ from torch_scaleout_models import launch_results
 
 import mpfunc_torch
 from _mpfunc_common.precision_report import FORMATS
+from mpfunc_torch._src import precision_report as report_module
 from mpfunc_torch._src.master_weights import master_of
 
 MODES = {
@@ -142,13 +143,93 @@ def test_both_frameworks_give_the_same_rows_bit_for_bit(values, scale, dtype):
     grads = [torch.from_numpy(g.reshape(1, -1).copy()) if len(values) else None]
     rows_t = mpfunc_torch.precision_report(net, loss_scale=scale, dtype=dtype,
                                            grads=grads).rows()
+    with one_at_a_time():  # the per-tensor path (a small gradient goes the flat one)
+        rows_1 = mpfunc_torch.precision_report(net, loss_scale=scale, dtype=dtype,
+                                               grads=grads).rows()
     rows_j = mpfunc.precision_report({"weight": jnp.asarray(g)}, loss_scale=scale,
                                      dtype=dtype).rows()
     if not len(values):
         rows_j = []  # torch leaves out a param without a gradient
-    for r in rows_t + rows_j:
+    for r in rows_t + rows_1 + rows_j:
         r.pop("name")
-    assert repr(rows_t) == repr(rows_j)  # repr: NaN-free, so == would do; bit for bit
+    # repr: NaN-free, so == would do; bit for bit
+    assert repr(rows_t) == repr(rows_1) == repr(rows_j)
+
+
+@contextlib.contextmanager
+def one_at_a_time(flat_max=-1, chunk=None):
+    """Sends gradients over ``flat_max`` elements down the per-tensor path (all of them
+    by default), and splits the flat passes at ``chunk`` elements."""
+    saved = report_module._FLAT_MAX, report_module._FLAT_CHUNK
+    report_module._FLAT_MAX = flat_max
+    report_module._FLAT_CHUNK = chunk or saved[1]
+    try:
+        yield
+    finally:
+        report_module._FLAT_MAX, report_module._FLAT_CHUNK = saved
+
+
+def many_grads(n, seed=0):
+    """``n`` params' gradients of mixed sizes and dtypes, some with an inf, a NaN, a
+    subnormal, zeros; one empty and one complex."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    params, grads = [], []
+    for i in range(n):
+        shape = [(3,), (4, 5), (0, 2), (7, 3), (2,)][i % 5]
+        dtype = torch.complex64 if i == 3 else dtypes[i % 3]
+        x = torch.randn(shape, generator=g) * 10.0 ** (i % 7 - 3)
+        x = x.to(dtype)
+        if x.numel() and i % 4 == 1:
+            x.view(-1)[0] = [float("inf"), float("nan"), -float("inf")][i % 3]
+        if x.numel() > 2 and not x.is_complex():
+            x.view(-1)[1] = 0.0
+            x.view(-1)[2] = 1e-30 if dtype == torch.float32 else x.view(-1)[2]
+        params.append(torch.nn.Parameter(torch.zeros(shape, dtype=dtype)))
+        grads.append(x)
+    model = torch.nn.Module()
+    model.params = torch.nn.ParameterList(params)
+    return model, grads
+
+
+@pytest.mark.parametrize("flat_max, chunk", [(10**6, None), (12, None), (10**6, 20),
+                                             (10**6, 1)])
+def test_the_flat_path_gives_the_per_tensor_paths_rows_bit_for_bit(flat_max, chunk):
+    model, grads = many_grads(23)
+    with one_at_a_time():
+        want = mpfunc_torch.precision_report(model, grads=grads, loss_scale=64.0).rows()
+    with one_at_a_time(flat_max, chunk):
+        got = mpfunc_torch.precision_report(model, grads=grads, loss_scale=64.0).rows()
+    assert repr(got) == repr(want)
+    assert [r["nonfinite"] for r in got].count(True) >= 4
+    assert any(0 < r["underflow_fraction"] < 1 for r in got)
+
+
+def test_small_gradients_cost_a_fixed_number_of_ops_whatever_their_number():
+    # On a GPU each op that computes is a kernel launch: many small gradients (biases,
+    # norm weights) must not cost about eight each. Views (detach, reshape) launch none.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    def ops(n, per_tensor):
+        model = torch.nn.Module()
+        model.params = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros(5)) for _ in range(n)])
+        grads = [torch.ones(5) for _ in range(n)]
+        with contextlib.ExitStack() as stack:
+            if per_tensor:
+                stack.enter_context(one_at_a_time())
+            counter = stack.enter_context(Count())
+            counter.n = 0
+            mpfunc_torch.precision_report(model, grads=grads)
+        return counter.n
+
+    assert ops(40, False) == ops(10, False)
+    assert ops(40, True) - ops(10, True) >= 30 * 8
 
 
 # --- no host sync --------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Which gradient overflowed, and how close each one is to overflow or underflow.
 
 The torch twin of ``mpfunc/_src/precision_report.py``: the same per-leaf rule
-(`_mpfunc_common.precision_report.LEAF_RULE`), reduced on the device with per-tensor
-reductions stacked into one tensor, read with one transfer when asked. The record of
+(`_mpfunc_common.precision_report.LEAF_RULE`), reduced on the device (small gradients
+together by segment reductions, large ones one at a time) into one tensor, read with
+one transfer when asked. The record of
 which params made the last step skip is ``mpfunc_torch/_src/skip_record.py``.
 """
 
@@ -120,6 +121,15 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
     return g
 
 
+# Real gradients of at most this many elements are reduced together (`_flat_stats`): a
+# few kernels for all of them instead of about eight per tensor, which on a GPU are
+# launches that a model's many biases and norm weights would be bound by. Each segment
+# sum is a float32 count of at most this many ones: exact.
+_FLAT_MAX = 1 << 16
+# Elements per flat pass: bounds its float32 copy and temporaries (about 16 MiB each).
+_FLAT_CHUNK = 1 << 22
+
+
 def _stats(grads: Sequence[torch.Tensor], threshold: torch.Tensor,
            amax_factor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per tensor: ``(nonfinite, amax)`` float32 and ``(zeros, underflows, size)`` int64,
@@ -127,21 +137,26 @@ def _stats(grads: Sequence[torch.Tensor], threshold: torch.Tensor,
     ``tiny(dtype) / 2 / scale``, or ``tiny(dtype) / 2`` for gradients that carry the
     scale already, whose amax ``amax_factor`` then unscales).
 
-    One tensor at a time, in one float32 buffer for ``|g|`` (the largest gradient's
-    size), with the ops measured fastest on CPU: ``isfinite`` and a masked max took 4x
-    longer than the check kernel (`fused.nonfinite_flags_`) and ``nan_to_num`` then
-    ``amax``.
+    Small real gradients together (`_flat_stats`); the others one tensor at a time, in
+    one float32 buffer for ``|g|`` (the largest gradient's size), with the ops measured
+    fastest on CPU: ``isfinite`` and a masked max took 4x longer than the check kernel
+    (`fused.nonfinite_flags_`) and ``nan_to_num`` then ``amax``.
     """
     dev, n = threshold.device, len(grads)
     flags = torch.zeros(n, dtype=torch.float32, device=dev)
     amax = torch.zeros(n, dtype=torch.float32, device=dev)
     counts = torch.zeros((n, 3), dtype=torch.int64, device=dev)
+    small = [i for i, g in enumerate(grads)
+             if g.numel() <= _FLAT_MAX and not g.is_complex() and g.device == dev]
+    _flat_stats(grads, small, threshold, flags, amax, counts)
+    large = [i for i in range(n) if i not in set(small)]
     # Buffers for |g| and |g| <= threshold, the largest gradient's size: allocating
     # them per tensor cost as much as the ops themselves on CPU (page faults).
-    size = max((g.numel() for g in grads), default=0)
+    size = max((grads[i].numel() for i in large), default=0)
     buffer = torch.empty(size, dtype=torch.float32, device=dev)
     below = torch.empty(size, dtype=torch.bool, device=dev)
-    for i, g in enumerate(grads):
+    for i in large:
+        g = grads[i]
         a = buffer[:g.numel()].view(g.shape)
         if g.dtype == torch.float32:
             a = torch.abs(g, out=a)
@@ -157,6 +172,42 @@ def _stats(grads: Sequence[torch.Tensor], threshold: torch.Tensor,
     if amax_factor is not None:
         amax = amax * amax_factor
     return torch.stack([flags, amax], dim=1), counts
+
+
+def _flat_stats(grads: Sequence[torch.Tensor], index: list[int], threshold: torch.Tensor,
+                flags: torch.Tensor, amax: torch.Tensor, counts: torch.Tensor) -> None:
+    """`_stats` of ``grads[i]`` for ``i`` in ``index`` (real, small), into rows ``i`` of
+    ``flags``, ``amax`` and ``counts``: per chunk, one float32 copy of ``|g|`` for all of
+    them (a ``cat`` per dtype) and segment reductions over it, a fixed number of
+    kernels whatever the number of tensors. The same values as the per-tensor path."""
+    dev = threshold.device
+    chunks: list[list[int]] = []
+    total = 0
+    for i in sorted(index, key=lambda i: str(grads[i].dtype)):
+        size = grads[i].numel()
+        if not chunks or total + size > _FLAT_CHUNK or grads[i].dtype != grads[chunks[-1][0]].dtype:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(i)
+        total += size
+    for chunk in chunks:
+        a = torch.cat([grads[i].reshape(-1) for i in chunk]).to(torch.float32).abs_()
+        # Built on the host and copied (not read back): no sync. unsafe: the lengths are
+        # right by construction, and checking them would read the device.
+        lengths = torch.tensor([grads[i].numel() for i in chunk], device=dev)
+        rows = torch.tensor(chunk, device=dev)
+        finite = torch.isfinite(a)
+        f32 = torch.float32
+
+        def total_of(x, how="sum", lengths=lengths):
+            return torch.segment_reduce(x, how, lengths=lengths, unsafe=True, initial=0)
+
+        flags[rows] = total_of(finite.logical_not().to(f32), "max")
+        amax[rows] = total_of(torch.where(finite, a, 0.0), "max")
+        zeros = total_of((a == 0).to(f32))  # as count_nonzero: subnormals are not 0
+        below = total_of((a <= threshold).to(f32))
+        counts[rows] = torch.stack([zeros, below - zeros, lengths.to(f32)], dim=1).to(
+            torch.int64)
 
 
 def _reduce_(fl: torch.Tensor, counts: torch.Tensor, tensors: Sequence[torch.Tensor],
