@@ -284,15 +284,85 @@ def test_every_mode_on_cuda(mode, cfg):
            else None)
     for i, (x, y) in enumerate(batches(40)):
         x, y = x.cuda(), y.cuda()
-        opt.zero_grad()
-        loss = crit(model(x), y)
-        opt.backward(loss)
+        # The whole step, forward and backward too (fp8 computes its scales there).
         if ctx is not None and i > 2:
             ctx("error")
         try:
+            opt.zero_grad()
+            loss = crit(model(x), y)
+            opt.backward(loss)
             opt.step()
         finally:
             if ctx is not None:
                 ctx("default")
         losses.append(loss.detach())
     assert float(torch.stack(losses[-5:]).mean()) < float(torch.stack(losses[:5]).mean())
+
+
+STEP_VARIANTS = [*ALL_MODES, ("fp8", {"recipe": "delayed"}), ("fp8", {"recipe": "rowwise"}),
+                 ("fp8", {"recipe": "blockwise"})]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode, cfg", STEP_VARIANTS,
+                         ids=[f"{m}-{'-'.join(map(str, c.values()))}" for m, c in STEP_VARIANTS])
+def test_a_step_builds_no_tensor_from_host_data_but_through_host_values(mode, cfg, fused):
+    # On CUDA, torch.tensor(values, device=...) copies from pageable memory and syncs
+    # the stream (the CUDA test above catches it; this CPU one finds the call): every
+    # tensor built from Python data in a step, with the precision report, the forward
+    # watch and the fused skip record on, must come from `host_values`.
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FromHost(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.found = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.lift_fresh.default:
+                # Where the tensor was built: the innermost frame outside torch's
+                # wrappers (torch's own Adam builds its CPU step count this way).
+                frames = [f for f in traceback.extract_stack()[:-1]
+                          if not any(w in f.filename for w in ("_dynamo", "_compile.py"))]
+                caller = frames[-1]
+                if "mpfunc" in caller.filename and caller.name != "host_values":
+                    self.found.append(f"{caller.filename}:{caller.lineno}")
+            return func(*args, **(kwargs or {}))
+
+    net = make_model()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=fused,
+                           eps=1e-4 if is_o3(cfg) else 1e-8)
+    model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.CrossEntropyLoss(),
+                                                   mode=mode, **cfg)
+    mpfunc_torch.watch_nonfinite(model)
+    opt.record_skip_leaves()
+    found = []
+    for i, (x, y) in enumerate(batches(3)):
+        with FromHost() as watch:
+            opt.zero_grad()
+            opt.backward(crit(model(x), y))
+            if i == 2:
+                next(iter(net.parameters())).grad = None  # a param without a gradient
+            opt.precision_report()
+            opt.step()
+        found += watch.found
+    assert found == []
+
+
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
+def test_host_values_gives_the_values_on_the_device():
+    from mpfunc_torch._src.distributed import host_values
+
+    t = host_values([3, 1, 2], torch.int64, torch.device("cpu"))
+    assert t.dtype == torch.int64 and t.tolist() == [3, 1, 2]
+    assert host_values([True, False], torch.bool, "cpu").tolist() == [True, False]
+    assert host_values([], torch.int64, "cpu").shape == (0,)
+    if torch.cuda.is_available():  # pinned memory and a non-blocking copy: no sync
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            t = host_values([5, 6], torch.int64, torch.device("cuda"))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert t.device.type == "cuda" and t.tolist() == [5, 6]

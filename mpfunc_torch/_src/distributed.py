@@ -1,4 +1,5 @@
-"""Explicit cross-rank reduction of the inf check (no hidden global process group)."""
+"""Explicit cross-rank reduction of the inf check (no hidden global process group), and
+host values put on the device without a host sync."""
 
 from __future__ import annotations
 
@@ -7,7 +8,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["normalize_groups", "all_reduce_found_inf_"]
+__all__ = ["normalize_groups", "all_reduce_found_inf_", "host_values"]
+
+
+def host_values(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of the Python ``values`` on ``device``, with no host sync.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable host memory with
+    ``non_blocking=False``, which synchronizes the stream (torch's ``memcpy_and_sync``):
+    the host would wait for every kernel queued before it. Here the values go through
+    pinned memory and a non-blocking copy, which the stream orders like a kernel. Every
+    tensor the library builds from host data in a step comes from here (a test checks).
+    """
+    t = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def normalize_groups(process_group: Any, name: str = "process_group") -> tuple[Any, ...]:

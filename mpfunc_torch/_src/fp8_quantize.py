@@ -93,15 +93,17 @@ def block_amax(x: torch.Tensor, block) -> torch.Tensor:
 def scale_from_amax(amax: torch.Tensor, name: str, margin: int, power_of_2: bool,
                     fallback) -> torch.Tensor:
     """The rule's scale of an fp8 format ``name`` from a block amax (scalar work)."""
-    s = torch.tensor(FP8_MAX[name], dtype=_F32, device=amax.device) / amax
+    # Constants as fills (a kernel), not torch.tensor(..., device=...): that copies from
+    # pageable host memory and synchronizes a CUDA stream, several times a layer.
+    s = torch.full_like(amax, FP8_MAX[name], dtype=_F32) / amax
     if margin:
-        s = s / torch.tensor(2.0**margin, dtype=_F32, device=amax.device)
+        s = s / torch.full_like(s, 2.0**margin)
     s = s.clamp(MIN_SCALE, MAX_SCALE[name])
     if power_of_2:  # clear the mantissa: 2**floor(log2(s)), exactly (s is normal)
         s = (s.view(torch.int32) & _MANTISSA_OFF).view(_F32)
     ok = torch.isfinite(amax) & (amax >= FLOAT32_MIN_NORMAL)
     if not isinstance(fallback, torch.Tensor):
-        fallback = torch.tensor(fallback, dtype=_F32, device=amax.device)
+        fallback = torch.full_like(s, fallback)
     return torch.where(ok, s, fallback)
 
 

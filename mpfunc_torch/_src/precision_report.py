@@ -25,7 +25,7 @@ from _mpfunc_common.precision_report import (
     nonfinite_names,
 )
 from mpfunc_torch._src import fused
-from mpfunc_torch._src.distributed import normalize_groups
+from mpfunc_torch._src.distributed import host_values, normalize_groups
 from mpfunc_torch._src.nonfinite_watch import watch_of
 from mpfunc_torch._src.sharding import is_dtensor, local
 from mpfunc_torch._src.skip_record import current_grads, param_names
@@ -192,10 +192,10 @@ def _flat_stats(grads: Sequence[torch.Tensor], index: list[int], threshold: torc
         total += size
     for chunk in chunks:
         a = torch.cat([grads[i].reshape(-1) for i in chunk]).to(torch.float32).abs_()
-        # Built on the host and copied (not read back): no sync. unsafe: the lengths are
+        # Copied from the host without a sync (`host_values`). unsafe: the lengths are
         # right by construction, and checking them would read the device.
-        lengths = torch.tensor([grads[i].numel() for i in chunk], device=dev)
-        rows = torch.tensor(chunk, device=dev)
+        lengths = host_values([grads[i].numel() for i in chunk], torch.int64, dev)
+        rows = host_values(chunk, torch.int64, dev)
         finite = torch.isfinite(a)
         f32 = torch.float32
 
@@ -232,9 +232,9 @@ def _reduce_(fl: torch.Tensor, counts: torch.Tensor, tensors: Sequence[torch.Ten
         for dim in range(mesh.ndim):
             group = mesh.get_group(dim)
             torch.distributed.all_reduce(fl, op=op.MAX, group=group)
-            sharded = torch.tensor([is_dtensor(u) and u.device_mesh == mesh
-                                    and u.placements[dim].is_shard() for u in tensors],
-                                   device=fl.device)
+            sharded = host_values([is_dtensor(u) and u.device_mesh == mesh
+                                   and u.placements[dim].is_shard() for u in tensors],
+                                  torch.bool, fl.device)
             summed = counts.clone()
             torch.distributed.all_reduce(summed, op=op.SUM, group=group)
             counts.copy_(torch.where(sharded[:, None], summed, counts))

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mpfunc_torch._src import fused
-from mpfunc_torch._src.distributed import all_reduce_found_inf_
+from mpfunc_torch._src.distributed import all_reduce_found_inf_, host_values
 from mpfunc_torch._src.sharding import local, mesh_groups
 
 __all__ = ["attach_model", "current_grads", "new_step_flags", "param_names",
@@ -96,7 +96,7 @@ def skip_flags_every_step_(opt, found_inf: torch.Tensor) -> None:
         index, flags = kept
         if len(index) != len(opt._owned):  # some params have no gradient this step
             full = torch.zeros(len(opt._owned), dtype=torch.float32, device=opt._device)
-            full[torch.tensor(index, device=opt._device)] = flags  # one scatter
+            full[host_values(index, torch.int64, opt._device)] = flags  # one scatter
             flags = full
         all_reduce_found_inf_(flags, mesh_groups(opt._owned + opt._sources))
     prev = getattr(opt, "_skip_flags", None)
