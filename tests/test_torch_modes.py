@@ -310,7 +310,8 @@ def test_a_step_builds_no_tensor_from_host_data_but_through_host_values(mode, cf
     # On CUDA, torch.tensor(values, device=...) copies from pageable memory and syncs
     # the stream (the CUDA test above catches it; this CPU one finds the call): every
     # tensor built from Python data in a step, with the precision report, the forward
-    # watch and the fused skip record on, must come from `host_values`.
+    # watch and the fused skip record on, must come from `host_values`. With a fused
+    # optimizer nothing in the step reads a value from the device either.
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -318,9 +319,12 @@ def test_a_step_builds_no_tensor_from_host_data_but_through_host_values(mode, cf
     class FromHost(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.found = []
+            self.found, self.reads = [], 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default,
+                        torch.ops.aten.nonzero.default):
+                self.reads += 1  # .item(), bool(), a boolean mask: a host read
             if func is torch.ops.aten.lift_fresh.default:
                 # Where the tensor was built: the innermost frame outside torch's
                 # wrappers (torch's own Adam builds its CPU step count this way).
@@ -338,7 +342,7 @@ def test_a_step_builds_no_tensor_from_host_data_but_through_host_values(mode, cf
                                                    mode=mode, **cfg)
     mpfunc_torch.watch_nonfinite(model)
     opt.record_skip_leaves()
-    found = []
+    found, reads = [], 0
     for i, (x, y) in enumerate(batches(3)):
         with FromHost() as watch:
             opt.zero_grad()
@@ -347,8 +351,10 @@ def test_a_step_builds_no_tensor_from_host_data_but_through_host_values(mode, cf
                 next(iter(net.parameters())).grad = None  # a param without a gradient
             opt.precision_report()
             opt.step()
-        found += watch.found
+        found, reads = found + watch.found, reads + watch.reads
     assert found == []
+    if fused:  # the skip is decided in the kernel: nothing in the step reads the device
+        assert reads == 0
 
 
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
