@@ -357,7 +357,6 @@ def test_a_step_builds_no_tensor_from_host_data_but_through_host_values(mode, cf
         assert reads == 0
 
 
-@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
 def test_host_values_gives_the_values_on_the_device():
     from mpfunc_torch._src.distributed import host_values
 
@@ -365,10 +364,20 @@ def test_host_values_gives_the_values_on_the_device():
     assert t.dtype == torch.int64 and t.tolist() == [3, 1, 2]
     assert host_values([True, False], torch.bool, "cpu").tolist() == [True, False]
     assert host_values([], torch.int64, "cpu").shape == (0,)
-    if torch.cuda.is_available():  # pinned memory and a non-blocking copy: no sync
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            t = host_values([5, 6], torch.int64, torch.device("cuda"))
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert t.device.type == "cuda" and t.tolist() == [5, 6]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
+def test_host_values_on_cuda_does_not_sync():
+    # Pinned memory and a non-blocking copy; torch.tensor(..., device="cuda") would raise.
+    from mpfunc_torch._src.distributed import host_values
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t = host_values([5, 6], torch.int64, torch.device("cuda"))
+        with pytest.raises(RuntimeError):
+            torch.tensor([5, 6], device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert t.device.type == "cuda" and t.tolist() == [5, 6]
