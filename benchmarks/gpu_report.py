@@ -18,7 +18,8 @@ The JSON: ``device``, ``versions``, ``git``, ``date``, ``dry_run``, ``budget`` (
 ``parts`` (per part: command, time box, status ok / failed / timeout / not run, exit
 code, wall time, reason, log file and tail), ``tests`` (the two pytest parts' counts,
 failures and skip reasons), then one section per benchmark: ``compare_modes``, ``fp8``,
-``jax_loss_scale``, ``jax_scale_cost``, ``unscale_bandwidth``, ``torch_modes``. A section
+``jax_loss_scale``, ``jax_scale_cost``, ``unscale_bandwidth``, ``torch_modes``,
+``precision_report``. A section
 holds the script's own JSON, or ``{"status", "reason"}`` where the part gave none.
 """
 
@@ -46,7 +47,8 @@ BENCH = ROOT / "benchmarks"
 # "bench" parts a JSON file.
 PARTS = [("gpu_tests", "tests"), ("cpu_suite", "tests"), ("compare_modes", "bench"),
          ("jax_scale_cost", "bench"), ("jax_loss_scale", "bench"),
-         ("unscale_bandwidth", "bench"), ("torch_modes", "bench"), ("fp8", "bench")]
+         ("unscale_bandwidth", "bench"), ("torch_modes", "bench"), ("fp8", "bench"),
+         ("precision_report", "bench")]
 SECTIONS = [name for name, kind in PARTS if kind == "bench"]
 BACKGROUND = {"cpu_suite"}  # runs beside the GPU parts, not after them
 TIMEOUT_RCS = {124, 137}  # timeout(1): the signal was sent; the KILL after -k was needed
@@ -240,7 +242,8 @@ def section_of(name, data):
 def bench_markdown(name, data):
     """A benchmark's own table (its to_markdown), or None."""
     modules = {"jax_loss_scale": "jax_loss_scale", "jax_scale_cost": "jax_scale_cost",
-               "unscale_bandwidth": "unscale_bandwidth", "torch_modes": "torch_modes"}
+               "unscale_bandwidth": "unscale_bandwidth", "torch_modes": "torch_modes",
+               "precision_report": "precision_report"}
     if name not in modules:
         return None
     sys.path.insert(0, str(BENCH))

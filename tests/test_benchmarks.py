@@ -339,7 +339,8 @@ def test_gpu_report_statuses_and_sections(tmp_path):
     status = {n: p["status"] for n, p in r["parts"].items()}
     assert status == {"gpu_tests": "failed", "cpu_suite": "not run", "compare_modes": "ok",
                       "jax_scale_cost": "not run", "jax_loss_scale": "timeout",
-                      "unscale_bandwidth": "failed", "torch_modes": "failed", "fp8": "failed"}
+                      "unscale_bandwidth": "failed", "torch_modes": "failed", "fp8": "failed",
+                      "precision_report": "not run"}
     assert r["parts"]["fp8"]["reason"] == "benchmarks/fp8.py is missing"
     assert "Fatal Python error" in r["parts"]["jax_loss_scale"]["log_tail"]
     assert "wrote no JSON" in r["parts"]["unscale_bandwidth"]["reason"]
