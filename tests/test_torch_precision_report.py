@@ -516,3 +516,41 @@ def test_a_recorded_fused_skip_names_the_right_param_when_some_have_no_gradient(
     plant(net[2].weight.grad)
     assert not opt.step()
     assert opt.scale_metrics(skip_leaves=True)["skip_leaves"] == ["2.weight"]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_convert_to_amp_records_with_the_same_keyword_as_jax(fused):
+    # record_skip_leaves=True in both frameworks' convert_to_amp: the two alike weights
+    # both overflow and both are named (JAX's default check reduces them together).
+    import jax
+    import jax.numpy as jnp
+    from lenient import adam
+
+    import mpfunc
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, fused=fused)
+    model, opt, crit = mpfunc_torch.convert_to_amp(net, opt, torch.nn.MSELoss(), mode="torch",
+                                                   record_skip_leaves=True)
+    opt.zero_grad()
+    opt.backward(crit(model(torch.ones(2, 4)), torch.zeros(2, 4)))
+    for name in ("0.weight", "1.weight"):
+        plant(dict(net.named_parameters())[name].grad)
+    opt.step()
+    assert opt.scale_metrics(skip_leaves=True)["skip_leaves"] == ["0.weight", "1.weight"]
+
+    params = {"0": {"weight": jnp.ones((4, 4)), "bias": jnp.ones(4)},
+              "1": {"weight": jnp.ones((4, 4)), "bias": jnp.ones(4)}}
+    amp = mpfunc.convert_to_amp(lambda p, x: x, adam(1e-3), mode="torch",
+                                record_skip_leaves=True)
+    state = amp.optimizer.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    for k in ("0", "1"):
+        grads[k]["weight"] = grads[k]["weight"].at[0, 0].set(jnp.inf)
+    _, state = jax.jit(amp.optimizer.update)(grads, state, params)
+    assert mpfunc.scale_metrics(state, skip_leaves=params)["skip_leaves"] == [
+        "['0']['weight']", "['1']['weight']"]
+    with pytest.raises(TypeError, match="`record_skip_leaves` must be True or False"):
+        mpfunc_torch.convert_to_amp(torch.nn.Linear(2, 2), torch.optim.SGD(
+            torch.nn.Linear(2, 2).parameters(), lr=0.1), record_skip_leaves="yes")

@@ -175,6 +175,7 @@ def convert_to_amp(
     device: str | torch.device | None = None,
     is_norm: Callable[[str, nn.Module], bool] | None = None,
     step_chunks: int = 1,
+    record_skip_leaves: bool = False,
     **config: Any,
 ) -> tuple[AmpModel, AmpOptimizer, AmpCriterion | None]:
     """Converts a model, its optimizer and its loss to mixed precision.
@@ -264,6 +265,9 @@ def convert_to_amp(
         the half grads). ``log_num_zeros_in_grad`` too: each chunk's zeros are counted
         once its grads are unscaled and clipped (on a skipped step, in a counting pass
         over the chunks). Default 1: one step over all params.
+      record_skip_leaves: also record which params make a step skip with a fused
+        optimizer (`AmpOptimizer.record_skip_leaves`; a non-fused one always does), for
+        ``scale_metrics(skip_leaves=True)``; ``mpfunc.convert_to_amp`` takes the same.
       **config: the mode's keys (above).
 
     Returns:
@@ -288,6 +292,9 @@ def convert_to_amp(
       >>> net[0].weight.dtype, opt.param_groups[0]["params"][0].dtype
       (torch.float16, torch.float32)
     """
+    if not isinstance(record_skip_leaves, bool):
+        raise TypeError("`record_skip_leaves` must be True or False, got "
+                        f"{type(record_skip_leaves).__name__}: {record_skip_leaves!r}.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
     optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
@@ -379,6 +386,8 @@ def convert_to_amp(
     ]
     amp_model._load_guards = guard_model_loads(model)  # before the masters' load hooks
     attach_model(amp_opts, model)  # names for precision_report and skip_leaves
+    for opt in amp_opts:
+        opt.record_skip_leaves(record_skip_leaves)
     pairs = [pair for opt in amp_opts for pair in opt._pairs]
     if pairs:
         versions = {id(p): opt._versions for opt in amp_opts for p, _ in opt._pairs}
