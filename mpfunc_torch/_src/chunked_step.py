@@ -45,6 +45,7 @@ from mpfunc_torch._src.sharding import local
 
 __all__ = [
     "PER_PARAM_OPTIMIZERS",
+    "check_step_chunks",
     "chunks_of_size",
     "check_half_grads_",
     "split_for_chunked_step_",
@@ -295,3 +296,28 @@ def finish_chunked_step_(cs: ChunkedStep, found_inf: torch.Tensor, step: Any,
         visit_chunks_(cs.chunks, cs.inv_scale, cs.visit, cs.clip)
     for p, _ in cs.dense:
         p.grad = None
+
+
+def check_step_chunks(step_chunks: Any, plan: Any, optimizers: list, masters: Any) -> None:
+    """``convert_to_amp``'s check of ``step_chunks`` against the mode and optimizers."""
+    if isinstance(step_chunks, bool) or not isinstance(step_chunks, int):
+        raise TypeError(f"`step_chunks` must be an int >= 1, got "
+                        f"{type(step_chunks).__name__} {step_chunks!r}.")
+    if step_chunks < 1:
+        raise ValueError(f"`step_chunks` must be >= 1, got {step_chunks}.")
+    if step_chunks == 1:
+        return
+    where = f"`step_chunks={step_chunks}`"
+    if not masters:
+        raise ValueError(f"{where} chunks the float32 master grads, but {plan.describe()} "
+                         "keeps no master weights; it applies to mode='naive' and apex O2.")
+    if plan.num_losses > 1:
+        raise ValueError(f"{where} cannot be combined with `num_losses`, which needs every "
+                         "unscaled float32 master grad at once; leave one of them out.")
+    for opt in optimizers:
+        if type(opt) not in PER_PARAM_OPTIMIZERS:
+            names = ", ".join(c.__name__ for c in PER_PARAM_OPTIMIZERS)
+            raise ValueError(f"{where} steps the optimizer once per chunk, which gives "
+                             "one step's result only for an optimizer that updates each "
+                             f"param from its own state ({names}); got "
+                             f"{type(opt).__module__}.{type(opt).__name__}.")

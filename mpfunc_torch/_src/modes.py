@@ -12,7 +12,7 @@ from torch import nn
 
 from _mpfunc_common.amp_config import resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
-from mpfunc_torch._src.chunked_step import PER_PARAM_OPTIMIZERS
+from mpfunc_torch._src.chunked_step import check_step_chunks
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.fp8_convert import convert_to_fp8
 from mpfunc_torch._src.master_weights import (
@@ -371,7 +371,7 @@ def convert_to_amp(
             masters = keep_half_masters(masters, optimizers)
     if plan.enabled and plan.fp8_recipe is not None:
         convert_to_fp8(model, plan.fp8_recipe, process_group=amax_groups or None)
-    _check_step_chunks(step_chunks, plan, optimizers, masters)
+    check_step_chunks(step_chunks, plan, optimizers, masters)
     if plan.verbose:
         print(f"mpfunc_torch.convert_to_amp: {plan.describe()}")
     amp_model = AmpModel(model, plan, dev.type)
@@ -395,27 +395,3 @@ def convert_to_amp(
     amp_crit = AmpCriterion(criterion, dev.type) if criterion is not None else None
     out_opt = amp_opts if isinstance(optimizer, list | tuple) else amp_opts[0]
     return amp_model, out_opt, amp_crit
-
-
-def _check_step_chunks(step_chunks: Any, plan: Any, optimizers: list, masters: Any) -> None:
-    if isinstance(step_chunks, bool) or not isinstance(step_chunks, int):
-        raise TypeError(f"`step_chunks` must be an int >= 1, got "
-                        f"{type(step_chunks).__name__} {step_chunks!r}.")
-    if step_chunks < 1:
-        raise ValueError(f"`step_chunks` must be >= 1, got {step_chunks}.")
-    if step_chunks == 1:
-        return
-    where = f"`step_chunks={step_chunks}`"
-    if not masters:
-        raise ValueError(f"{where} chunks the float32 master grads, but {plan.describe()} "
-                         "keeps no master weights; it applies to mode='naive' and apex O2.")
-    if plan.num_losses > 1:
-        raise ValueError(f"{where} cannot be combined with `num_losses`, which needs every "
-                         "unscaled float32 master grad at once; leave one of them out.")
-    for opt in optimizers:
-        if type(opt) not in PER_PARAM_OPTIMIZERS:
-            names = ", ".join(c.__name__ for c in PER_PARAM_OPTIMIZERS)
-            raise ValueError(f"{where} steps the optimizer once per chunk, which gives "
-                             "one step's result only for an optimizer that updates each "
-                             f"param from its own state ({names}); got "
-                             f"{type(opt).__module__}.{type(opt).__name__}.")
