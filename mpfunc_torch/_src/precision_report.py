@@ -149,7 +149,7 @@ def _stats(grads: Sequence[torch.Tensor], threshold: torch.Tensor,
     small = [i for i, g in enumerate(grads)
              if g.numel() <= _FLAT_MAX and not g.is_complex() and g.device == dev]
     _flat_stats(grads, small, threshold, flags, amax, counts)
-    large = [i for i in range(n) if i not in set(small)]
+    large = sorted(set(range(n)) - set(small))
     # Buffers for |g| and |g| <= threshold, the largest gradient's size: allocating
     # them per tensor cost as much as the ops themselves on CPU (page faults).
     size = max((grads[i].numel() for i in large), default=0)
