@@ -31,6 +31,7 @@ __all__ = [
     "AmpPlan",
     "resolve_amp",
     "dtype_name",
+    "check_bool",
 ]
 
 MODES = ("torch", "apex", "naive", "bf16", "fp8")
@@ -209,11 +210,15 @@ class AmpPlan:
         return ", ".join(parts)
 
 
-def _bool(config: Mapping[str, Any], key: str) -> bool:
-    value = config[key]
+def check_bool(name: str, value: Any) -> bool:
+    """``value``, which must be True or False (not 1, not "yes"); errors name ``name``."""
     if not isinstance(value, bool):
-        raise TypeError(f"`{key}` must be a bool, got {type(value).__name__}: {value!r}.")
+        raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}: {value!r}.")
     return value
+
+
+def _bool(config: Mapping[str, Any], key: str) -> bool:
+    return check_bool(key, config[key])
 
 
 def _opt_bool(config: Mapping[str, Any], key: str) -> bool | None:

@@ -551,6 +551,6 @@ def test_convert_to_amp_records_with_the_same_keyword_as_jax(fused):
     _, state = jax.jit(amp.optimizer.update)(grads, state, params)
     assert mpfunc.scale_metrics(state, skip_leaves=params)["skip_leaves"] == [
         "['0']['weight']", "['1']['weight']"]
-    with pytest.raises(TypeError, match="`record_skip_leaves` must be True or False"):
+    with pytest.raises(TypeError, match="`record_skip_leaves` must be a bool"):
         mpfunc_torch.convert_to_amp(torch.nn.Linear(2, 2), torch.optim.SGD(
             torch.nn.Linear(2, 2).parameters(), lr=0.1), record_skip_leaves="yes")

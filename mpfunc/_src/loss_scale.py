@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from _mpfunc_common.amp_config import check_bool
 from _mpfunc_common.scale_config import (
     FLOAT32_MAX,
     FLOAT32_MIN_NORMAL,
@@ -71,9 +72,7 @@ def _scale_transform(
     axis_name = check_axis_name(axis_name)
     if skip_with not in ("fused", "select", "cond"):
         raise ValueError(f"`skip_with` must be 'fused', 'select' or 'cond', got {skip_with!r}.")
-    if not isinstance(record_skip_leaves, bool):
-        raise TypeError("`record_skip_leaves` must be True or False, got "
-                        f"{type(record_skip_leaves).__name__}: {record_skip_leaves!r}.")
+    check_bool("record_skip_leaves", record_skip_leaves)
     initial = cfg.initial_scale if cfg is not None else static_value
     hysteresis = cfg.hysteresis if cfg is not None else 1
     unscale = not (cfg is None and static_value == 1.0)

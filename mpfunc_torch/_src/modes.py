@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from _mpfunc_common.amp_config import resolve_amp
+from _mpfunc_common.amp_config import check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc_torch._src.chunked_step import check_step_chunks
 from mpfunc_torch._src.distributed import normalize_groups
@@ -292,9 +292,7 @@ def convert_to_amp(
       >>> net[0].weight.dtype, opt.param_groups[0]["params"][0].dtype
       (torch.float16, torch.float32)
     """
-    if not isinstance(record_skip_leaves, bool):
-        raise TypeError("`record_skip_leaves` must be True or False, got "
-                        f"{type(record_skip_leaves).__name__}: {record_skip_leaves!r}.")
+    check_bool("record_skip_leaves", record_skip_leaves)  # before anything is changed
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
     optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]

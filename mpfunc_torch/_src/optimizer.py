@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from _mpfunc_common.amp_config import AmpPlan
+from _mpfunc_common.amp_config import AmpPlan, check_bool
 from mpfunc_torch._src import checkpoint, fused
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
@@ -226,9 +226,7 @@ class AmpOptimizer(WrappedOptimizer):
         Args:
           enabled: True to record from the next step on; False to stop.
         """
-        if not isinstance(enabled, bool):
-            raise TypeError(f"`enabled` must be a bool, got {type(enabled).__name__}.")
-        self._record_skips_every_step = enabled
+        self._record_skips_every_step = check_bool("enabled", enabled)
 
     @_eager
     def precision_report(self, dtype: Any = None, *, process_group: Any = None):
