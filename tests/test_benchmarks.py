@@ -431,3 +431,20 @@ def test_fp8_time_budget_skips_and_records(tmp_path):
     assert r["fp8"] == {}
     assert [s["variant"] for s in r["skipped"]] == ["torch/bf16/32", "torch/tensorwise/32"]
     assert {s["reason"] for s in r["skipped"]} == {"time budget"}
+
+
+def test_fp8_eager(tmp_path):
+    # Ops counts are exact (dispatch-mode counts); times only have to be there.
+    out = tmp_path / "r.json"
+    run_script("fp8_eager.py", "--shape", "64,128", "--rounds", "1", "--iters", "1",
+               "--json", str(out))
+    r = json.loads(out.read_text())
+    assert list(r["fp8_eager"]) == ["tensorwise", "delayed", "rowwise", "blockwise"]
+    for recipe, row in r["fp8_eager"].items():
+        assert row["ops_per_operand_fused"] == {"tensorwise": 2, "delayed": 3}.get(recipe, 1)
+        assert row["ops_per_operand_torch_ops"] > 10
+        assert row["ops_per_linear_fused"] < row["ops_per_linear_torch_ops"] - 50
+        for key in ("quantize_us_fused", "quantize_us_torch_ops", "linear_ms_fused",
+                    "linear_ms_torch_ops"):
+            assert row[key] > 0
+    assert "| delayed | 3 (" in r["markdown"] and r["triton_compile"] is None
