@@ -123,10 +123,9 @@ def gpt_flops(cfg) -> float:
     """Matmul flops of one training step (forward + backward = 3x forward): the
     Linears (12 d² per layer, d x vocab for the head) for every token, and attention's
     two products over the whole t x t square (as the model computes them)."""
-    from data import VOCAB
-
+    _, data = _demo()
     tokens = cfg.batch * cfg.context
-    linear = 2.0 * tokens * (12 * cfg.layers * cfg.width**2 + cfg.width * VOCAB)
+    linear = 2.0 * tokens * (12 * cfg.layers * cfg.width**2 + cfg.width * data.VOCAB)
     attention = 2.0 * 2 * cfg.batch * cfg.layers * cfg.context**2 * cfg.width
     return 3 * (linear + attention)
 

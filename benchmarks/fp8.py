@@ -99,7 +99,8 @@ def variants(args):
     torch eager variants of every model first, then the compiled ones, then JAX."""
     runs = [("torch", False), ("torch", True), ("jax", False)]
     for fw, compiled in runs:
-        if fw not in args.frameworks or (compiled and args.no_compile):
+        if fw not in args.frameworks or (compiled and args.no_compile) or (
+                fw == "torch" and not compiled and args.compiled_only):
             continue
         for model in args.model:
             if model == "dot" and fw != "jax":
@@ -289,6 +290,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    ap.add_argument("--compiled-only", action="store_true",
+                    help="torch: only the compiled variants (JAX's run as asked)")
     ap.add_argument("--quick", action="store_true",
                     help="CPU smoke run: d=32, batch 16, GPT 32,2,16 batch 2, 2 + 2 steps, "
                          "aot_eager compile")
@@ -316,6 +319,8 @@ def main(argv=None) -> dict:
                                  args.warmup + args.steps)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is visible to torch")
+    if args.no_compile and args.compiled_only:
+        ap.error("--no-compile and --compiled-only leave no torch variant: pick one")
     compiles = triton_compile_log() if args.device == "cuda" else {"seconds": 0.0,
                                                                     "kernels": []}
     meta = dict(device=_device_name(args.device), torch=torch.__version__,

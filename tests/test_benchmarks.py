@@ -530,3 +530,30 @@ def test_fp8_eager(tmp_path):
                     "linear_ms_torch_ops"):
             assert row[key] > 0
     assert "| delayed | 3 (" in r["markdown"] and r["triton_compile"] is None
+
+
+def test_fp8_variant_order_and_selection(monkeypatch, capsys):
+    # Eager torch variants of every model first (the cheap ones, for a time budget),
+    # then compiled, then JAX; --gpt-recipes and --compiled-only select.
+    monkeypatch.syspath_prepend(str(BENCH))
+    import fp8
+
+    ran = []
+
+    def fake(model, size, fw, recipe, compiled, args):
+        ran.append((fw, model, recipe or "bf16", compiled))
+        return {"step_s": 0.001, "first_step_s": 0.0}
+
+    monkeypatch.setattr(fp8, "run_variant", fake)
+    fp8.main(["--quick", "--model", "linear,gpt", "--recipes", "tensorwise",
+              "--gpt-recipes", "delayed"])
+    eager = [("linear", "bf16"), ("linear", "tensorwise"), ("gpt", "bf16"), ("gpt", "delayed")]
+    assert ran == ([("torch", m, r, False) for m, r in eager]
+                   + [("torch", m, r, True) for m, r in eager]
+                   + [("jax", m, r, False) for m, r in eager])
+    ran.clear()
+    fp8.main(["--quick", "--frameworks", "torch", "--recipes", "rowwise", "--compiled-only"])
+    assert ran == [("torch", "linear", "bf16", True), ("torch", "linear", "rowwise", True)]
+    with pytest.raises(SystemExit):
+        fp8.main(["--quick", "--no-compile", "--compiled-only"])
+    assert "leave no torch variant" in capsys.readouterr().err

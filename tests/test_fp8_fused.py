@@ -272,11 +272,11 @@ def test_cuda_triton_bits_match_the_reference(recipe, monkeypatch):  # pragma: n
                 57344.0, 61440.0, 1.0625, 1.1875, 2.0**-10, 2.0**-17, 1.5 * 2.0**-9]
     x = np.random.default_rng(0).standard_normal((200, 300)).astype(np.float32)
     x[0, :len(specials)] = specials
-    layer = mpfunc_torch.Fp8Linear(300, 200, recipe=recipe, device="cuda")
     out = {}
     for path in ("fused", "reference"):
         if path == "reference":
             monkeypatch.setattr(fp8_fused, "fusable", lambda *t: False)
+        layer = mpfunc_torch.Fp8Linear(300, 200, recipe=recipe, device="cuda")  # fresh state
         got = []
         for dtype in (torch.float32, torch.bfloat16):
             xt = torch.from_numpy(x).to("cuda", dtype)
@@ -286,6 +286,13 @@ def test_cuda_triton_bits_match_the_reference(recipe, monkeypatch):  # pragma: n
         out[path] = got + [b.cpu() for b in layer.buffers()]
     for a, b in zip(out["fused"], out["reference"], strict=True):
         assert torch.equal(a, b)
+    if recipe != "delayed":  # and the NumPy reference's (the float32 input's, first)
+        r = resolve_recipe(recipe)
+        qr, sr = ref_quantize(x, r.dtype("input"), r.block("input"), r.margin,
+                              r.power_of_2_scales)
+        assert np.array_equal(out["fused"][0].numpy(), qr.view(np.uint8))
+        assert np.array_equal(out["fused"][1].numpy().view(np.uint32),
+                              np.asarray(sr, np.float32).view(np.uint32))
 
 
 @pytest.mark.gpu
