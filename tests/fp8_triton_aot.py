@@ -39,7 +39,7 @@ def compile_all(cc: int = 90):
         ("cast bf16", ft._cast_per_tensor_kernel, {**f32, **u8, "x_ptr": "*bf16"}, tile),
         ("cast fp32", ft._cast_per_tensor_kernel, {**f32, **u8, "x_ptr": "*fp32"}, tile),
         ("blocks rows bf16", ft._quantize_blocks_kernel, {**f32, **u8, "x_ptr": "*bf16"},
-         dict(TILE_ROWS=False, RB=32, CHUNK=128)),
+         dict(TILE_ROWS=False, RB=8, CHUNK=256)),
         ("blocks tiles fp32", ft._quantize_blocks_kernel, {**f32, **u8, "x_ptr": "*fp32"},
          dict(TILE_ROWS=True, RB=32, CHUNK=128)),
         ("record", ft._record_amax_kernel, f32, dict(BLOCK=1024)),

@@ -210,8 +210,16 @@ def quantize_blocks(x, name: str, rows: int, cols: int, margin: int, pow2: bool)
     q = torch.empty((m, k), dtype=getattr(torch, name), device=x.device)
     s = torch.empty(scale_shape((m, k), (rows, cols)), dtype=torch.float32, device=x.device)
     tile = rows > 1
-    rb = min(32, triton.next_power_of_2(rows)) if tile else 32
-    chunk = min(128, triton.next_power_of_2(cols))
+    # Pieces of about 2048 elements. A row per scale: 8 rows of 256 (enough programs
+    # to fill the GPU from 8 rows each), or, reading a transposed view (its rows are
+    # columns in memory), 16 by 128 so that each piece's columns are 16 contiguous
+    # elements. A shared scale: 32-row pieces of a 128-wide tile.
+    row_major = x.stride(1) == 1
+    if tile:
+        rb, chunk = min(32, triton.next_power_of_2(rows)), 128
+    else:
+        rb, chunk = (8, 256) if row_major else (16, 128)
+    chunk = min(chunk, triton.next_power_of_2(cols))
     grid = (triton.cdiv(m, rows if tile else rb), triton.cdiv(k, cols))
     with _on(x):
         _quantize_blocks_kernel[grid](
