@@ -22,6 +22,7 @@ eager mode ran before the custom ops):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -98,7 +99,7 @@ def bench(recipe, args, device):
     sync()
     row["first_linear_s"] = time.perf_counter() - t0
     for path in ("fused", "torch_ops"):
-        with (torch_ops_path() if path == "torch_ops" else _Nothing()):
+        with (torch_ops_path() if path == "torch_ops" else contextlib.nullcontext()):
             with Ops() as q:
                 quantize(layer, x)
             with Ops() as lin:
@@ -107,7 +108,7 @@ def bench(recipe, args, device):
     times = {p: {"q": [], "lin": []} for p in ("fused", "torch_ops")}
     for r in range(args.rounds):
         for path in (("fused", "torch_ops") if r % 2 == 0 else ("torch_ops", "fused")):
-            with (torch_ops_path() if path == "torch_ops" else _Nothing()):
+            with (torch_ops_path() if path == "torch_ops" else contextlib.nullcontext()):
                 times[path]["q"].append(timed(lambda: quantize(layer, x), sync, args.iters))
                 times[path]["lin"].append(timed(lambda: linear_step(layer, xg, device), sync,
                                                 max(1, args.iters // 4)))
@@ -147,14 +148,6 @@ def triton_compile_log() -> dict:
 
     knobs.compilation.listener = listener
     return log
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None) -> dict:

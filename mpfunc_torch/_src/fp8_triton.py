@@ -24,6 +24,8 @@ per input dtype serves every recipe.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -118,17 +120,9 @@ def _cast_per_tensor_kernel(
         tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(a, axis=1), axis=0))
 
 
-class _NoDevice:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _on(x: torch.Tensor):
     """Launches on ``x``'s GPU (Triton launches on the current device)."""
-    return torch.cuda.device(x.device) if x.is_cuda else _NoDevice()
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def cast_per_tensor(x, src, prev, name: str, margin: int, pow2: bool, scale_from: int,
