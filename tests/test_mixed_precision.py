@@ -215,7 +215,7 @@ JAX_SPELLINGS = [
      dict(mode="naive")],
     [dict(mixed_precision="fp16_apex", opt_level="O2", verbosity=0),
      dict(mixed_precision=mpfunc.FP16ApexMixedPrecision("O2", verbosity=0)),
-     dict(mode="apex", opt_level="O2", verbosity=0)],
+     dict(mode="apex", opt_level="O2", verbosity=0), dict(mode="apex-O2", verbosity=0)],
     [dict(mixed_precision="bf16"), dict(mixed_precision=mpfunc.BF16MixedPrecision()),
      dict(mode="bf16")],
     [dict(mixed_precision="fp16_naive", initial_scale=1024.0, hysteresis=3, clip_grad=1.0),
@@ -280,3 +280,37 @@ def test_jax_errors_name_the_argument():
     with pytest.raises(ValueError, match="`mixed_precision` must be one of \\[.fp16."):
         mpfunc.convert_to_amp(apply_fn, optax.sgd(0.1), mixed_precision="fp4")
     assert mpfunc.convert_to_amp(apply_fn, optax.sgd(0.1)).plan.mode == "torch"
+
+
+@pytest.mark.parametrize("how, message", [
+    (dict(mode="apex-O2", opt_level="O1"),
+     r"^`mode='apex-O2'` sets opt_level 'O2', and `opt_level='O1'` was given too\. Give the "
+     r"level once: `mode='apex-O2'` alone, or `mode=\"apex\", opt_level=\.\.\.`"),
+    (dict(mode="apex-O4"),
+     r"got 'apex-O4' \(did you mean `apex-O3`\?\)\. apex's levels are `mode=\"apex\", "
+     r"opt_level=\"O2\"` or, the same, `mode=\"apex-O2\"` \(apex-O0, apex-O1, apex-O2, "
+     r"apex-O3\)\.$"),
+    (dict(mixed_precision="fp16-naive"), r"got 'fp16-naive' \(did you mean `fp16_naive`\?\)"),
+    (dict(mode="naive", inital_scale=2.0**16),
+     r"^unknown config key\(s\) \['inital_scale'\] for mode 'naive' \(did you mean "
+     r"`initial_scale`\?\); valid keys for this mode: \['backoff_factor'"),
+    (dict(mode="apex", opt_level="o2"), r"got 'o2' \(did you mean `O2`\?\)\.$"),
+])
+def test_jax_misspelt_modes_and_keys_name_the_closest_valid_one(how, message):
+    with pytest.raises(ValueError, match=message):
+        mpfunc.convert_to_amp(apply_fn, optax.sgd(0.1), **how)
+
+
+def test_apex_level_names_and_suggestions():
+    assert mode_and_config("APEX-o3", None, {}) == ("apex", {"opt_level": "O3"})
+    assert mode_and_config(None, "apex-O1", {"opt_level": "O1"}) == ("apex", {"opt_level": "O1"})
+    assert resolve_amp(*mode_and_config("apex-O2", None, {})) == resolve_amp(
+        "apex", {"opt_level": "O2"})
+    with pytest.raises(ValueError, match=r"`mixed_precision='apex-O1'` sets opt_level 'O1'"):
+        mode_and_config(None, "apex-O1", {"opt_level": None})
+    # No suggestion where nothing is close, and several misspelt keys each get theirs.
+    with pytest.raises(ValueError, match=r"got 'xyzzy'\. apex's levels"):
+        mode_and_config("xyzzy", None, {})
+    with pytest.raises(ValueError, match=r"\(did you mean `initial_scale` for `inital_scale`, "
+                                         r"`max_scale` for `max_scal`\?\)"):
+        resolve_amp("naive", {"inital_scale": 1.0, "max_scal": 2.0, "zzz": 0})

@@ -38,12 +38,21 @@ def test_apex_overrides_and_loss_scale_kinds():
     assert opt.plan.scale_config.min_scale == 2.0**10
 
 
-def test_apex_verbosity_prints_the_plan(capsys):
+def test_apex_verbosity_logs_the_plan_and_prints_nothing(capsys, caplog):
     net = make_model()
-    mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                                mode="apex", opt_level="O2")
-    out = capsys.readouterr().out
-    assert "mode=apex O2" in out and "master_weights=True" in out
+    with caplog.at_level("INFO", logger="mpfunc_torch"):
+        mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    mode="apex", opt_level="O2")
+    (record,) = caplog.records
+    assert record.name.startswith("mpfunc_torch.") and record.levelname == "INFO"
+    assert "mode=apex O2" in record.getMessage() and "master_weights=True" in record.getMessage()
+    assert capsys.readouterr().out == ""
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mpfunc_torch"):
+        net = make_model()
+        mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    mode="apex", opt_level="O2", verbosity=0)
+    assert caplog.records == []
 
 def _fused_sgd_moves_half_params():
     p = torch.nn.Parameter(torch.ones(1000, dtype=torch.float16))
