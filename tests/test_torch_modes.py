@@ -185,7 +185,7 @@ class TestErrors:
             self.convert("apex", opt_level="O4")
 
     def test_typo_lists_valid_keys(self):
-        with pytest.raises(ValueError, match="unknown config key\\(s\\) \\['growth_intervall'\\] for mode 'torch'; valid keys for this mode: \\['backoff_factor'"):
+        with pytest.raises(ValueError, match="unknown config key\\(s\\) \\['growth_intervall'\\] for mode 'torch' \\(did you mean `growth_interval`\\?\\); valid keys for this mode: \\['backoff_factor'"):
             self.convert("torch", growth_intervall=10)
 
     def test_key_of_another_mode_is_an_error(self):
