@@ -14,6 +14,7 @@ from colossal_seed import REQUIRED, SEED_001_NAIVE, SEED_SIGNATURES, available_b
 from hypothesis import given
 from hypothesis import strategies as st
 from lenient import lenient
+from misspellings import MISSPELT
 
 import mpfunc
 from _mpfunc_common.amp_config import MODE_DEFAULTS, dtype_name, resolve_amp
@@ -282,20 +283,7 @@ def test_jax_errors_name_the_argument():
     assert mpfunc.convert_to_amp(apply_fn, optax.sgd(0.1)).plan.mode == "torch"
 
 
-@pytest.mark.parametrize("how, message", [
-    (dict(mode="apex-O2", opt_level="O1"),
-     r"^`mode='apex-O2'` sets opt_level 'O2', and `opt_level='O1'` was given too\. Give the "
-     r"level once: `mode='apex-O2'` alone, or `mode=\"apex\", opt_level=\.\.\.`"),
-    (dict(mode="apex-O4"),
-     r"got 'apex-O4' \(did you mean `apex-O3`\?\)\. apex's levels are `mode=\"apex\", "
-     r"opt_level=\"O2\"` or, the same, `mode=\"apex-O2\"` \(apex-O0, apex-O1, apex-O2, "
-     r"apex-O3\)\.$"),
-    (dict(mixed_precision="fp16-naive"), r"got 'fp16-naive' \(did you mean `fp16_naive`\?\)"),
-    (dict(mode="naive", inital_scale=2.0**16),
-     r"^unknown config key\(s\) \['inital_scale'\] for mode 'naive' \(did you mean "
-     r"`initial_scale`\?\); valid keys for this mode: \['backoff_factor'"),
-    (dict(mode="apex", opt_level="o2"), r"got 'o2' \(did you mean `O2`\?\)\.$"),
-])
+@pytest.mark.parametrize("how, message", MISSPELT)
 def test_jax_misspelt_modes_and_keys_name_the_closest_valid_one(how, message):
     with pytest.raises(ValueError, match=message):
         mpfunc.convert_to_amp(apply_fn, optax.sgd(0.1), **how)
