@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 28 in one command of at most 8 minutes on one H100/H200.
+# Every GPU check in one command of at most 8 minutes on one H100/H200.
 #
 #   make gpu                                   (bash benchmarks/gpu.sh)
 #   bash benchmarks/gpu.sh --cpu-dry-run       every part at a tiny size on CPU
@@ -119,7 +119,7 @@ else
   SUITE=()
   COMPARE=(--device cuda --layers 12 --width 768 --heads 12 --context 512 --batch 8
            --steps 40 --rounds 3 --window 10)
-  # 24 layers: where naive's donated step peaked at 1.107x the unscaled step (issue 28).
+  # 24 layers: where naive's donated step peaked at 1.107x the unscaled step (once).
   # Compiles in this process: a fresh process per compile would re-initialise CUDA.
   SCALE_COST=(--depths 24 --batch 32 --rounds 7 --iters 5 --only "mpfunc.dynamic_scale(adam)"
               "mpfunc.dynamic_scale(adam), float16 compute" "mode torch" "mode apex O2"
@@ -128,7 +128,7 @@ else
   UNSCALE=(--mib 512 --reps 20)
   TORCH_MODES=(--width 2048 --depth 8 --batch 8192 --rounds 5 --iters 5)
   FP8_BUDGET=35
-  # The 10M-param MLP of issue 32's target, torch and bf16 modes (torch only, to fit
+  # The 10M-param MLP of BENCHMARKS.md section 9, torch and bf16 modes (torch only, to fit
   # its box: the JAX report is fused by XLA into the step's own kernels).
   REPORT=(--framework torch --rounds 5 --torch-iters 10)
 fi
