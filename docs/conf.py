@@ -94,7 +94,13 @@ def write_api_pages(app=None) -> None:
             if shared:  # one object, documented (and indexed) once, under mpfunc
                 lines += [f"The same {shared} as {{py:obj}}`mpfunc.{name}` (one shared "
                           "definition for both frameworks).", ""]
-            lines += ["```{eval-rst}", f".. {directive}:: {module_name}.{name}"]
+            lines += ["```{eval-rst}"]
+            if shared:
+                # Its own target and inventory entry, so that `mpfunc_torch.<name>`
+                # links here too; the autodoc entry below only shows it (indexing it
+                # would register its `_mpfunc_common` name a second time).
+                lines += [f".. py:{shared}:: {module_name}.{name}", "   :no-typesetting:", ""]
+            lines += [f".. {directive}:: {module_name}.{name}"]
             lines += ["   :no-index:"] * bool(shared) + ["```", ""]
         text = "\n".join(lines)
         page = api / f"{module_name}.md"

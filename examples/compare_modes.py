@@ -171,11 +171,32 @@ def jax_apply(cfg):
 
 # ------------------------------------------------------------------------------- runs
 def bar(total, desc, quiet):
+    """A progress bar on a terminal. Elsewhere (a log file, a pipe) a bar is escape
+    sequences, not progress: one line per finished run instead. Nothing with --quiet."""
+    if not quiet and not sys.stderr.isatty():
+        return DoneLine(total, desc)
     from tqdm import tqdm
 
-    # No bars into a log file: they are escape sequences, not progress, there.
-    return tqdm(total=total, desc=desc, leave=False, ncols=80,
-                disable=quiet or not sys.stderr.isatty())
+    return tqdm(total=total, desc=desc, leave=False, ncols=80, disable=quiet)
+
+
+class DoneLine:
+    """`bar` off a terminal: counts like a bar, and prints one line to stderr when done."""
+
+    def __init__(self, total, desc):
+        self.total, self.desc, self.n = total, " ".join(desc.split()), 0
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def update(self, n=1):
+        self.n += n
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            print(f"compare_modes.py: {self.desc} done, {self.n}/{self.total} in "
+                  f"{time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
 
 
 class Watchdog:
@@ -442,7 +463,8 @@ def main(argv=None):
     ap.add_argument("--device", choices=["cpu", "cuda", "gpu"], default="cpu")
     ap.add_argument("--out", default="out", help="folder for the PNG")
     ap.add_argument("--json", default=None, help="also write every figure here")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress (bars on a terminal, else a line per finished run)")
     ap.add_argument("--stall-timeout", type=float, default=None,
                     help="seconds without progress before the stacks are printed "
                     "(default 300 on a GPU, off on CPU; 0 turns it off)")

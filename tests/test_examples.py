@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from own_code import is_project_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,9 +26,10 @@ def run(script, *args, timeout=600):
     out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--quick", *args],
                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
-    # Every jitted step of an example compiles once: nothing of ours is traced again.
+    # Every jitted step of an example compiles once: nothing of ours is traced again
+    # (ours by folder: in a clone named `mpfunc`, jax's own files are under it too).
     ours = [(f, where) for f, where in recompiled(out.stderr)
-            if where.startswith(str(ROOT)) and "site-packages" not in where]
+            if is_project_file(re.sub(r":\d+$", "", where))]
     assert not ours, ours
     return out.stdout
 
@@ -180,6 +182,61 @@ def test_compare_modes_watchdog_says_where_it_stalled(capfd):
     err = capfd.readouterr().err
     assert "no progress for 0.3 s, in jax fp32, training step 7" in err
     assert "test_compare_modes_watchdog_says_where_it_stalled" in err  # the Python stack
+
+
+def compare_modes_module():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import compare_modes
+    finally:
+        sys.path.pop(0)
+    return compare_modes
+
+
+def test_compare_modes_prints_a_line_per_finished_run_off_a_terminal(capsys, monkeypatch):
+    # In a log (stderr not a terminal) a run that finishes says so on one line; --quiet
+    # says nothing; on a terminal the bar shows and no extra line is printed.
+    cm = compare_modes_module()
+    with cm.bar(3, "jax   naive", quiet=False) as pb:
+        for _ in range(3):
+            pb.update()
+    assert re.fullmatch(r"compare_modes\.py: jax naive done, 3/3 in \d+\.\d s\n",
+                        capsys.readouterr().err)
+    with cm.bar(3, "jax   naive", quiet=True) as pb:
+        pb.update()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with cm.bar(3, "jax   naive", quiet=False) as pb:
+        pb.update()
+    err = capsys.readouterr().err
+    assert "jax   naive" in err and "done" not in err  # tqdm's bar
+
+
+def test_compare_modes_help_and_docs_give_the_stall_timeout_default_of_the_code(
+        capsys, monkeypatch):
+    cm = compare_modes_module()
+    said = "default 300 on a GPU, off on CPU; 0 turns it off"
+    with pytest.raises(SystemExit):
+        cm.main(["--help"])
+    assert said in " ".join(capsys.readouterr().out.split())
+    docs = " ".join((ROOT / "docs" / "getting-started.md").read_text().split())
+    assert f"`--stall-timeout` seconds ({said})" in docs
+    # What the code does: the watchdog's timeout per device (stopped before any run).
+    timeouts = []
+
+    class Stop(Exception):
+        pass
+
+    def watchdog(timeout):
+        timeouts.append(timeout)
+        raise Stop
+
+    monkeypatch.setattr(cm, "Watchdog", watchdog)
+    monkeypatch.setattr(cm, "cuda_problems", lambda frameworks: [])  # as if on a GPU
+    for device in ("cuda", "cpu"):
+        with pytest.raises(Stop):
+            cm.main(["--quick", "--steps", "1", "--device", device, "--framework", "torch"])
+    assert timeouts == [300.0, 0.0]
 
 
 def test_compare_modes_table_flags_a_wide_spread():

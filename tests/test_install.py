@@ -286,3 +286,33 @@ def test_license_and_project_metadata():
     assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
     assert "END OF TERMS AND CONDITIONS" in text and len(text) > 10_000
     assert project["authors"] and project["urls"]["Source"].startswith("https://")
+
+
+def test_ci_runs_every_step_in_a_clone_named_mpfunc(tmp_path):
+    # .ci/run from a checkout with another folder name runs its make targets in a clone
+    # named `mpfunc` (a user's layout, .venv inside), then removes that clone. `make` and
+    # `chromium` are stand-ins here: they say where they ran.
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    checkout, bin_dir, tmp = tmp_path / "checkout", tmp_path / "bin", tmp_path / "tmp"
+    bin_dir.mkdir(), tmp.mkdir()
+    log = tmp_path / "make.log"
+    (bin_dir / "make").write_text(f'#!/bin/sh\necho "$PWD $*" >> {log}\n')
+    (bin_dir / "chromium").write_text("#!/bin/sh\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    git = ["git", "-c", "user.name=ci", "-c", "user.email=ci@example.com"]
+    subprocess.run([*git, "clone", "--quiet", str(ROOT), str(checkout)], check=True)
+    # This checkout's .ci/run as it is now, committed in the copy (the clone takes HEAD).
+    (checkout / ".ci" / "run").write_text((ROOT / ".ci" / "run").read_text())
+    subprocess.run([*git, "-C", str(checkout), "commit", "--quiet", "--allow-empty", "-am",
+                    "ci"], check=True)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", TMPDIR=str(tmp))
+    out = subprocess.run(["bash", str(checkout / ".ci" / "run")], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    runs = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    assert [target for _, target in runs] == ["test", "test-slow", "lint", "docs"]
+    assert {Path(where).name for where, _ in runs} == {"mpfunc"}
+    assert {Path(where).parent.parent for where, _ in runs} == {tmp}
+    assert list(tmp.iterdir()) == []  # the clone is gone

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from mpfunc_torch._src.sharding import check_fsdp_units
 from mpfunc_torch._src.skip_record import attach_model
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
+_LOG = logging.getLogger(__name__)  # what a conversion resolved to, at INFO level
 
 
 class AMP_TYPE(str, enum.Enum):  # noqa: N801 - the name users know from Colossal-AI
@@ -217,8 +219,9 @@ def convert_to_amp(
         one GradScaler): each skips or steps on its own gradients, and the scale updates
         once, after the last of them has stepped in the iteration.
       criterion: the loss function, wrapped to compute in float32; or None.
-      mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or an `AMP_TYPE`; None
-        means ``"torch"``. A Booster name or config object is accepted here too.
+      mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"``, ``"fp8"`` or an `AMP_TYPE`;
+        None means ``"torch"``. ``"apex-O2"`` is ``"apex"`` with ``opt_level="O2"`` (so
+        for O0-O3). A Booster name or config object is accepted here too.
       mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
         ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, ``"fp8"``, or a config
         object such as ``FP16NaiveMixedPrecision(hysteresis=3)``. Each means exactly
@@ -370,8 +373,8 @@ def convert_to_amp(
     if plan.enabled and plan.fp8_recipe is not None:
         convert_to_fp8(model, plan.fp8_recipe, process_group=amax_groups or None)
     check_step_chunks(step_chunks, plan, optimizers, masters)
-    if plan.verbose:
-        print(f"mpfunc_torch.convert_to_amp: {plan.describe()}")
+    if plan.verbose:  # apex's verbosity / naive's verbose: logged, never printed
+        _LOG.info("mpfunc_torch.convert_to_amp: %s", plan.describe())
     amp_model = AmpModel(model, plan, dev.type)
     first = AmpOptimizer(optimizers[0], plan, device=dev, masters=masters,
                          process_groups=groups, step_chunks=step_chunks)
