@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one command of at most 9 minutes on one H100/H200 (issue 36).
+# Every GPU check in one command of at most 9 minutes on one H100/H200.
 #
 #   make gpu                                   (bash benchmarks/gpu.sh)
 #   bash benchmarks/gpu.sh --cpu-dry-run       every part at a tiny size on CPU
@@ -151,10 +151,10 @@ else
   IMPORTS=(--rounds 3)
   # Its own budget, inside its box: the option sets in children, what fits (4 min at most).
   GPU_COMPILE=(--device cuda --time-budget 225 --xla-vlog --logs "$RUN/jax_gpu_compile")
-  # The 12-layer model of issue 36 in every mode, fewer steps than the demo's default.
+  # The demo's 12-layer GPU model in every mode, fewer steps than the demo's default.
   COMPARE=(--device cuda --layers 12 --width 768 --heads 12 --context 512 --batch 8
            --steps 12 --rounds 3 --window 4)
-  # 24 layers: where naive's donated step peaked at 1.107x the unscaled step (issue 28).
+  # 24 layers: where naive's donated step peaked at 1.107x the unscaled step (once).
   # Compiles in this process: a fresh process per compile would re-initialise CUDA.
   SCALE_COST=(--depths 24 --batch 32 --rounds 5 --iters 5 --only "mpfunc.dynamic_scale(adam)"
               "mode torch" "mode naive" "mode bf16" --no-compile-cache)
@@ -163,7 +163,7 @@ else
   TORCH_MODES=(--width 2048 --depth 8 --batch 8192 --rounds 5 --iters 5)
   FP8_BUDGET=80
   TRAINERS=()
-  # The 10M-param MLP of issue 32's target, torch and bf16 modes (torch only, to fit
+  # The 10M-param MLP of BENCHMARKS.md section 9, torch and bf16 modes (torch only, to fit
   # its box: the JAX report is fused by XLA into the step's own kernels).
   REPORT=(--framework torch --rounds 5 --torch-iters 10)
 fi

@@ -1,7 +1,7 @@
-"""XLA:GPU compile time of the demo's step and of issue 37's fp8 dot, per compiler option.
+"""XLA:GPU compile time of the demo's step and of an 8192^3 fp8 dot, per compiler option.
 
-Issue 36: the demo's first JAX compile (12 layers, width 768) had not returned after
-160 s on an H200, and one 8192^3 fp8 ``value_and_grad`` took 59.6 s to compile (bf16:
+On one H200 (2026-11-27) the demo's first JAX compile (12 layers, width 768) had not
+returned after 160 s, and one 8192^3 fp8 ``value_and_grad`` took 59.6 s to compile (bf16:
 2.6 s). This script compiles, under each set of XLA compiler options passed per compile
 (``.compile(compiler_options=...)``; the sets are ``_jax_compiles.XLA_OPTION_SETS``:
 XLA's defaults, Triton GEMMs off, the fusion autotuner off, autotuning off):
@@ -26,7 +26,7 @@ reported for its set, not fatal.
 The work comes in priority order under ``--time-budget`` (default 235 s on a GPU: it
 fits `make gpu`'s 4-minute box): first, per option set, the dots and the scanned fp32,
 bf16 and fp8 steps; then the other scanned modes; then the unrolled steps. What does not
-fit is listed under ``not_run`` with the reason. ``--xla-vlog`` sets ``TF_CPP_VMODULE``
+fit is a row with status "not run" and the reason. ``--xla-vlog`` sets ``TF_CPP_VMODULE``
 for XLA's GPU compiler and autotuners in the children, whose logs go to ``--logs``.
 
     python benchmarks/jax_gpu_compile.py --device cuda [--json F] [--logs DIR] [--xla-vlog]
@@ -95,7 +95,8 @@ def _step_row(item, cfg, params_file):
 
 
 def _dot_row(item, cfg):
-    """issue 37's case: value_and_grad of one fp8 (or bf16) dot, 2 x n^3 x 3 FLOP."""
+    """value_and_grad of one fp8 (or bf16) dot, 2 x n^3 x 3 FLOP (59.6 s to compile on an
+    H200 in fp8)."""
     import jax
     import jax.numpy as jnp
     from _jax_compiles import compile_cold_warm
@@ -183,7 +184,7 @@ def demo_params(size, seed, forms):
     for form in forms:
         try:
             params[form] = cm.torch_to_jax_params(model, stacked=form == "scanned")
-        except TypeError:  # a compare_modes without the stacked form (before issue 36)
+        except TypeError:  # a compare_modes without the stacked (scanned) form
             if form == "scanned":
                 not_run[form] = "examples/compare_modes.py has no scanned model"
             else:
@@ -303,8 +304,9 @@ def measure(args):
 
 def choose(rows, max_slowdown=1.03):
     """Among option sets with every measured row, the one with the least total cold
-    compile whose steps are each at most ``max_slowdown`` x XLA's defaults' (issue 36's
-    rule: a faster compile may cost at most 3% of step time); None without data."""
+    compile whose steps are each at most ``max_slowdown`` x XLA's defaults' (the rule for
+    the demo's default: a faster compile may cost at most 3% of step time); None without
+    data."""
     ok = {}
     for r in rows:
         if r["status"] == "ok" and r.get("cold_s"):

@@ -347,7 +347,7 @@ def test_compiler_options_presets_and_pairs():
 
 def test_jax_gpu_compile_tiny_on_cpu(tmp_path):
     # The GPU benchmark's pipeline at a tiny size: each option set in its own child, the
-    # demo's step (through compare_modes.run_jax) and issue 37's dots cold and warm, an
+    # demo's step (through compare_modes.run_jax) and the fp8 / bf16 dots cold and warm, an
     # option set this jaxlib does not know reported for its rows, not fatal.
     out, logs = tmp_path / "r.json", tmp_path / "logs"
     run_script("jax_gpu_compile.py", "--modes", "fp32", "--forms", "scanned", "--options",
@@ -394,7 +394,7 @@ def test_jax_gpu_compile_names_bad_arguments(capsys):
 
 
 def test_import_time(tmp_path):
-    # issue 36: `import mpfunc_torch` loads no torch._dynamo / torch.onnx / inductor.
+    # `import mpfunc_torch` loads no torch._dynamo / torch.onnx / inductor.
     out = tmp_path / "r.json"
     run_script("import_time.py", "--rounds", "1", "--modules", "torch,mpfunc_torch",
                "--json", str(out))

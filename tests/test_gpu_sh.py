@@ -66,7 +66,7 @@ def test_plan_runs_the_gpu_parts_first_then_the_suite_within_nine_minutes():
     assert parts["cpu_suite"][0] == 0  # its box: what the budget has left
     for name, (box, least) in parts.items():
         assert least > 0 and (name == "cpu_suite" or box >= least), name
-    assert parts["jax_gpu_compile"][0] <= 240  # issue 36: at most 4 minutes
+    assert parts["jax_gpu_compile"][0] <= 240  # at most 4 minutes
     # Imports are timed first, then the GPU tests, then the compiles.
     assert list(parts)[:4] == ["import_time", "gpu_tests", "jax_gpu_compile", "compare_modes"]
     # Every GPU part's least box fits the budget on its own.

@@ -32,7 +32,7 @@ __all__ = [
 def is_dtensor(t: Any) -> bool:
     # A DTensor exists only once torch.distributed.tensor is imported (FSDP2 and
     # parallelize_module import it): importing it here, for every user, would cost
-    # about a third of `import torch` (it loads sympy), issue 36.
+    # about a third of `import torch` (it loads sympy).
     dtensor = sys.modules.get("torch.distributed.tensor")
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
