@@ -140,7 +140,7 @@ if [ $DRY = 1 ]; then
   LOSS_SCALE=(--batch 8 --width 32 --depth 1 --rounds 1 --iters 1)
   UNSCALE=(--mib 1 --reps 2)
   TORCH_MODES=(--width 16 --depth 1 --batch 4 --rounds 1 --iters 1 --peak none)
-  FP8_BUDGET=5
+  FP8=(--quick --time-budget 5)
   TRAINERS=()
   REPORT=(--batch 8 --width 32 --depth 1 --rounds 1 --iters 1 --torch-width 32
           --torch-batch 4 --torch-iters 1)
@@ -161,7 +161,7 @@ else
   LOSS_SCALE=(--batch 512 --width 1024 --depth 4 --rounds 10 --iters 10)
   UNSCALE=(--mib 512 --reps 20)
   TORCH_MODES=(--width 2048 --depth 8 --batch 8192 --rounds 5 --iters 5)
-  FP8_BUDGET=80
+  FP8=(--time-budget 80)
   TRAINERS=()
   # The 10M-param MLP of BENCHMARKS.md section 9, torch and bf16 modes (torch only, to fit
   # its box: the JAX report is fused by XLA into the step's own kernels).
@@ -179,7 +179,7 @@ part jax_gpu_compile jax_gpu_compile.json \
 part compare_modes compare_modes.json \
   "$PY" examples/compare_modes.py "${COMPARE[@]}" --quiet --json "$RUN/compare_modes.json"
 part fp8 fp8.json \
-  "$PY" benchmarks/fp8.py --device $DEV --time-budget $FP8_BUDGET --out "$RUN/fp8.json"
+  "$PY" benchmarks/fp8.py --device $DEV "${FP8[@]}" --out "$RUN/fp8.json"
 part trainers trainers.json \
   "$PY" benchmarks/trainers.py --device $DEV "${TRAINERS[@]}" --json "$RUN/trainers.json"
 part torch_modes torch_modes.json \

@@ -30,7 +30,7 @@ fit is a row with status "not run" and the reason. ``--xla-vlog`` sets ``TF_CPP_
 for XLA's GPU compiler and autotuners in the children, whose logs go to ``--logs``.
 
     python benchmarks/jax_gpu_compile.py --device cuda [--json F] [--logs DIR] [--xla-vlog]
-    python benchmarks/jax_gpu_compile.py --quick        # CPU, tiny sizes: a pipeline check
+    python benchmarks/jax_gpu_compile.py                # CPU, tiny sizes: a pipeline check
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ def _emit(out, **row):
     out.flush()
 
 
-def _step_row(item, cfg, params_file):
+_PARAMS = {}  # the demo's init per form, loaded once per child
+
+
+def _step_row(item, cfg, params_dir):
     """One demo train step, compiled and timed through compare_modes.run_jax."""
     import compare_modes as cm
     import numpy as np
@@ -79,8 +82,10 @@ def _step_row(item, cfg, params_file):
 
     form, mode = item.split("/")
     cfg.scan = form == "scanned"
-    with open(params_file, "rb") as f:
-        init_params = pickle.load(f)[form]
+    if form not in _PARAMS:
+        with open(Path(params_dir) / f"{form}.pkl", "rb") as f:
+            _PARAMS[form] = pickle.load(f)
+    init_params = _PARAMS[form]
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, cm.VOCAB, (cfg.batch, cfg.context)),
                 rng.integers(0, cm.VOCAB, (cfg.batch, cfg.context))) for _ in range(3)]
@@ -254,11 +259,13 @@ def measure(args):
     logs.mkdir(parents=True, exist_ok=True)
     try:
         params, not_run_forms = demo_params(size, 0, forms)
-        with open(work / "params.pkl", "wb") as f:
-            pickle.dump(params, f)
+        for form, tree in params.items():
+            with open(work / f"{form}.pkl", "wb") as f:
+                pickle.dump(tree, f)
+        del params
         cfg = {**size, "lr": 3e-3, "seed": 0, "device": args.device, "steps": 2,
                "quiet": True, "window": args.window}
-        files = {"dir": work, "logs": logs, "params": work / "params.pkl", "cfg": cfg}
+        files = {"dir": work, "logs": logs, "params": work, "cfg": cfg}
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
         if args.device == "cpu":
@@ -386,9 +393,8 @@ def to_markdown(r):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--quick", action="store_true", help="CPU at tiny sizes (the default "
-                    "on CPU): a check of the pipeline, not a measurement")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu: tiny sizes, a check of the pipeline, not a measurement")
     ap.add_argument("--options", default=",".join(XLA_OPTION_SETS),
                     help=f"option sets from {list(XLA_OPTION_SETS)}, comma-separated")
     ap.add_argument("--extra-options", action="append", default=[], metavar="NAME:k=v;k=v",
