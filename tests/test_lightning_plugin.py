@@ -30,16 +30,13 @@ MODES = [  # (mode, config): small initial scales, so that only the planted inf 
     ("bf16", {}),
     ("fp8", {}),
 ]
-DEFAULT = {"torch", "naive"}  # every other mode runs in the slow suite
 
 
 def mode_id(m):
     return "-".join([m[0], *(str(v) for k, v in m[1].items() if k in ("opt_level", "dtype"))])
 
 
-PARAMS = [pytest.param(m, c, id=mode_id((m, c)),
-                       marks=() if (m in DEFAULT and "dtype" not in c) else pytest.mark.slow)
-          for m, c in MODES]
+PARAMS = [pytest.param(m, c, id=mode_id((m, c))) for m, c in MODES]  # ~1 s each
 
 
 @functools.cache
@@ -203,3 +200,178 @@ def test_the_lightning_package_takes_the_same_class(tmp_path):
     assert loaded["AmpPrecision"] == {"mode": "naive", "opt_level": None}
     (state,) = loaded["optimizer_states"]
     assert state["mode"] == "naive" and state["master_weights"][0].dtype == torch.float32
+
+
+def step_change(mode, cfg, batch=8, **trainer_kw):
+    """One SGD(lr=1) step: the change of what the optimizer owns, which is minus the
+    (clipped) unscaled gradient; and that gradient as the hooks saw it."""
+    Net, _ = classes("pytorch_lightning")
+    L = package("pytorch_lightning")
+    seen = {}
+
+    class Grads(L.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            seen["grads"] = [p.grad.clone() for g in optimizer.param_groups
+                             for p in g["params"]]
+
+    plugin = AmpPrecision(mode, **cfg)
+    net = Net(lr=1.0, optim="sgd")
+    owned = None
+
+    class Before(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            nonlocal owned
+            owned = [p.detach().clone() for p in plugin.main_params(plugin.optimizers[0])]
+
+    trainer(max_steps=1, plugins=[plugin], callbacks=[Grads(), Before()],
+            **trainer_kw).fit(net, loader(batch=batch))
+    after = [p.detach() for p in plugin.main_params(plugin.optimizers[0])]
+    return [b - a for a, b in zip(after, owned)], seen["grads"]
+
+
+@pytest.mark.parametrize("mode, cfg", [("torch", {"init_scale": 2.0**10}),
+                                       ("naive", {"initial_scale": 2.0**10})])
+def test_gradient_clip_val_clips_the_unscaled_gradients_by_their_global_norm(mode, cfg):
+    delta, grads = step_change(mode, cfg, gradient_clip_val=0.5)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert norm > 5  # the hooks saw the unscaled gradients (times 1024 they would be huge)
+    assert norm < 1e3
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta]))
+    assert float(total) == pytest.approx(0.5, rel=1e-3)  # one global norm, after unscaling
+    for d, g in zip(delta, grads):  # every gradient scaled by the same factor
+        assert torch.allclose(d, g * (0.5 / norm), rtol=1e-3, atol=1e-6)
+    by_value, _ = step_change(mode, cfg, gradient_clip_val=0.01,
+                              gradient_clip_algorithm="value")
+    assert max(float(d.abs().max()) for d in by_value) == pytest.approx(0.01, rel=1e-3)
+
+
+@pytest.mark.parametrize("mode, cfg", [("torch", {"init_scale": 2.0**10}),
+                                       ("naive", {"initial_scale": 2.0**10})])
+def test_accumulate_grad_batches_scales_each_micro_batch_and_unscales_once(mode, cfg):
+    # Two micro-batches of 8 are one batch of 16: Lightning divides each loss by 2.
+    accumulated, _ = step_change(mode, cfg, accumulate_grad_batches=2)
+    whole, _ = step_change(mode, cfg, batch=16)
+    for a, w in zip(accumulated, whole):
+        assert torch.allclose(a, w, rtol=1e-2, atol=1e-4)
+        assert float(a.abs().max()) > 1e-3
+
+
+def test_the_step_reads_nothing_from_the_device_and_the_scale_is_logged(tmp_path):
+    # With a fused optimizer the step decides skips on the device: with no logger and no
+    # progress bar, no training step reads a value from the device (.item(), bool(),
+    # ...); Lightning reads a few when it sets up the data, outside the steps.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    L = package("pytorch_lightning")
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        in_step = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default,
+                        torch.ops.aten.nonzero.default):
+                reads.append(Reads.in_step)
+            return func(*args, **(kwargs or {}))
+
+    class Window(L.Callback):
+        def on_train_batch_start(self, *args):
+            Reads.in_step = True
+
+        def on_train_batch_end(self, *args):
+            Reads.in_step = False
+
+    Net, _ = classes("pytorch_lightning")
+    plugin = AmpPrecision("torch", init_scale=2.0**8)
+    t = trainer(max_steps=4, plugins=[plugin], callbacks=[Window()])
+    with Reads():
+        t.fit(Net(optim="fused", plant_at=1), loader())
+    assert reads and not any(reads)  # reads outside the steps only
+    assert plugin.scale_metrics(as_python=True)["skipped_steps"] == 1
+    assert isinstance(t.callback_metrics["loss_scale"], torch.Tensor)
+    # A logger reads them at its logging steps: one row per step, the planted skip in it.
+    L = package("pytorch_lightning")
+    plugin = AmpPrecision("naive", initial_scale=2.0**8)
+    logger = L.loggers.CSVLogger(tmp_path, name="run", version=0)
+    trainer(max_steps=5, plugins=[plugin], logger=logger, log_every_n_steps=1).fit(
+        Net(plant_at=2), loader())
+    rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().split()
+    header, *rows = [r.split(",") for r in rows]
+    got = [(int(r[header.index("step")]), float(r[header.index("loss_scale")]),
+            float(r[header.index("skipped_steps")])) for r in rows]
+    assert got == [(0, 256.0, 0.0), (1, 256.0, 0.0), (2, 256.0, 1.0), (3, 256.0, 1.0),
+                   (4, 256.0, 1.0)]
+
+
+def test_scale_metrics_on_the_plugin():
+    plugin = AmpPrecision("naive", initial_scale=2.0**8, hysteresis=1)
+    with pytest.raises(RuntimeError, match="AmpPrecision.scale_metrics: nothing is "
+                                           "converted yet"):
+        plugin.scale_metrics()
+    Net, _ = classes("pytorch_lightning")
+    trainer(max_steps=3, plugins=[plugin]).fit(Net(plant_at=1), loader())
+    metrics = plugin.scale_metrics()
+    assert isinstance(metrics["loss_scale"], torch.Tensor)
+    assert plugin.scale_metrics(as_python=True) == {
+        "loss_scale": 128.0, "skipped_steps": 1, "consecutive_skips": 0, "last_finite": True}
+
+
+def test_manual_optimization_and_validation_after_the_fit():
+    Net, Watch = classes("pytorch_lightning")
+
+    class WithVal(Net):
+        def validation_step(self, batch, batch_idx):
+            self.val_dtypes = (self(batch[0]).dtype, batch[0].dtype)
+
+    plugin = AmpPrecision("naive", initial_scale=2.0**8)
+    net, watch = WithVal(plant_at=1, manual=True), Watch()
+    t = trainer(max_steps=3, plugins=[plugin], callbacks=[watch], limit_val_batches=1)
+    t.fit(net, loader(), loader())
+    assert same(watch.before[1], watch.after[1]) and watch.skipped[2] == 1
+    assert not same(watch.before[2]["model"], watch.after[2]["model"])
+    opt = plugin.optimizers[0]
+    t.validate(net, loader(), verbose=False)
+    assert plugin.optimizers[0] is opt  # nothing converted again
+    # The batch arrives in float16; naive mode's model returns float32 outputs.
+    assert net.val_dtypes == (torch.float32, torch.float16)
+    assert net.net[0].weight.dtype == torch.float16
+
+
+def test_precision_flag_with_the_plugin_is_refused_by_lightning():
+    with pytest.raises(ValueError, match=r"Received both `precision=16-mixed` and "
+                                         r"`plugins=AmpPrecision\('naive'\)`. Choose one."):
+        trainer(precision="16-mixed", plugins=[AmpPrecision("naive")])
+
+
+def test_bad_arguments_are_clear_errors(gloo_world):
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['init_scale'\] for mode "
+                                         "'naive'"):
+        AmpPrecision("naive", init_scale=2.0)  # torch's spelling, not naive's
+    with pytest.raises(ValueError, match=r"`mode` must be one of"):
+        AmpPrecision("fp16-mixed")
+    with pytest.raises(TypeError, match="`log_metrics` must be a bool"):
+        AmpPrecision("torch", log_metrics=1)
+    with pytest.raises(ValueError, match="`mode` is None; name the mode"):
+        AmpPrecision(None)
+    plugin = AmpPrecision("naive", initial_scale=2.0**8)
+    Net, _ = classes("pytorch_lightning")
+    net = Net()
+    t = trainer(max_steps=1, plugins=[plugin])
+    t.fit(net, loader())
+    with pytest.raises(TypeError, match=r"`optimizer` \(SGD\) is not one AmpPrecision "
+                                        "converted"):
+        plugin.clip_gradients(torch.optim.SGD(torch.nn.Linear(2, 2).parameters()), 1.0)
+    with pytest.raises(ValueError, match="`gradient_clip_algorithm` must be 'norm' or 'value'"):
+        plugin.clip_gradients(plugin.optimizers[0], 1.0, "max")
+    with pytest.raises(ValueError, match="already converted this model in an earlier fit"):
+        trainer(max_steps=2, plugins=[plugin]).fit(net, loader())
+    with pytest.raises(ValueError, match=r"trained with AmpPrecision mode 'naive', and this "
+                                         r"plugin's mode is 'apex' O2"):
+        AmpPrecision("apex", opt_level="O2").load_state_dict(plugin.state_dict())
+    # A wrapper that holds hooks on the float32 params (DDP) with a mode that casts them.
+    fresh = Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(fresh)
+    with pytest.raises(ValueError, match=r"casts the params to float16, but the strategy "
+                                         r"wrapped the model in DistributedDataParallel"):
+        AmpPrecision("naive").connect(ddp, [torch.optim.SGD(fresh.parameters(), lr=0.1)], [])
+    assert fresh.net[0].weight.dtype == torch.float32  # nothing was changed
