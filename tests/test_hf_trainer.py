@@ -1,0 +1,138 @@
+"""`mpfunc_torch.transformers.AmpTrainer` in real ``Trainer.train`` runs of a tiny GPT-2
+(random init, CPU), in every mode: the loss falls, a planted inf skips one step with
+nothing changed and the LR schedule waits, clipping and accumulation on unscaled
+gradients, the scale in the log history, exact resumption from a checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from mpfunc_torch.transformers import AmpTrainer  # noqa: E402
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+MODES = [  # small initial scales, so that only the planted inf skips
+    ("torch", {"init_scale": 2.0**8}),
+    ("apex", {"opt_level": "O1", "verbosity": 0, "loss_scale": 2.0**8}),
+    ("apex", {"opt_level": "O2", "verbosity": 0, "max_loss_scale": 2.0**8}),
+    ("apex", {"opt_level": "O3", "verbosity": 0}),
+    ("naive", {"initial_scale": 2.0**8}),
+    ("bf16", {}),
+    ("fp8", {}),
+]
+DEFAULT = {"torch", "naive"}  # the other modes run in the slow suite (~5 s each)
+PARAMS = [pytest.param(m, c, id="-".join([m, *([c["opt_level"]] if "opt_level" in c else [])]),
+                       marks=() if m in DEFAULT else pytest.mark.slow) for m, c in MODES]
+
+
+def gpt2(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                  n_positions=32, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """The same 8 sequences over and over: a tiny GPT-2 learns them within a few steps."""
+
+    def __init__(self, n=48):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randint(1, 100, (8, 16), generator=g).repeat(n // 8, 1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def args(out, **kw):
+    base = dict(output_dir=str(out), max_steps=6, per_device_train_batch_size=8,
+                learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[],
+                disable_tqdm=True, use_cpu=True, adam_epsilon=1e-4, seed=0,
+                dataloader_num_workers=0)
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+class Watch(transformers.TrainerCallback):
+    """Plants an inf in one gradient at step ``plant_at`` (a hook on the embedding), and
+    records what the optimizer owns around every step."""
+
+    def __init__(self, plant_at=None):
+        self.plant_at, self.hook = plant_at, None
+        self.before, self.after = {}, {}
+
+    @staticmethod
+    def snapshot(model, optimizer):
+        inner = optimizer.optimizer  # accelerate's wrapper -> the AmpOptimizer
+        return {"model": copy.deepcopy(model.state_dict()),
+                "owned": [p.detach().clone() for g in inner.param_groups for p in g["params"]],
+                "state": copy.deepcopy(inner.optimizer.state_dict()["state"])}
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
+        self.before[state.global_step] = self.snapshot(model, optimizer)
+        if state.global_step == self.plant_at:
+            self.hook = model.transformer.wte.weight.register_hook(lambda g: g * float("inf"))
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
+        self.after[state.global_step - 1] = self.snapshot(model, optimizer)
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+
+
+def same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def history(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h and "loss" in h]
+
+
+@pytest.mark.parametrize("mode, cfg", PARAMS)
+def test_every_mode_trains_skips_a_planted_inf_and_resumes_exactly(mode, cfg, tmp_path):
+    watch = Watch(plant_at=2)
+    trainer = AmpTrainer(model=gpt2(), args=args(tmp_path, save_strategy="steps", save_steps=3),
+                         train_dataset=Tokens(), callbacks=[watch], amp_mode=mode,
+                         amp_config=cfg)
+    trainer.train()
+    losses = history(trainer, "loss")
+    assert sum(losses[-2:]) < sum(losses[:2]) - 0.2, losses  # it learns
+    # Step 2 (the planted inf) is skipped: model, masters and optimizer state unchanged.
+    assert same(watch.before[2], watch.after[2])
+    assert history(trainer, "skipped_steps") == [0, 0, 1, 1, 1, 1]
+    for step in (1, 3):  # the steps around it do train
+        assert not same(watch.before[step]["model"], watch.after[step]["model"])
+    # ... and the LR schedule waits a step, as with the Trainer's own fp16 GradScaler.
+    lrs = history(trainer, "learning_rate")
+    assert lrs[3] == lrs[2] and lrs[2] < lrs[1] and lrs[4] < lrs[3]
+    assert trainer.lr_scheduler.last_epoch == 5
+    # Resume from the checkpoint taken right after the skip: same params, scale, counts.
+    resumed = AmpTrainer(model=gpt2(seed=1), args=args(tmp_path), train_dataset=Tokens(),
+                         amp_mode=mode, amp_config=cfg)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert same(resumed.model.state_dict(), trainer.model.state_dict())
+    owned = [[p for g in t.amp_optimizer.param_groups for p in g["params"]]
+             for t in (trainer, resumed)]
+    assert same(*owned)
+    assert same(resumed.amp_optimizer.state_dict()["scalers"],
+                trainer.amp_optimizer.state_dict()["scalers"])
+    # The resumed log history continues the checkpoint's, with the very same numbers.
+    assert history(resumed, "loss") == losses
+    assert history(resumed, "skipped_steps") == [0, 0, 1, 1, 1, 1]
+    assert history(resumed, "loss_scale") == history(trainer, "loss_scale")
+    scaler = torch.load(tmp_path / "checkpoint-3" / "scaler.pt", weights_only=True)
+    assert int(scaler["scalers"][0]["skipped_steps"]) == 1
