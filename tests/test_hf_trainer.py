@@ -136,3 +136,91 @@ def test_every_mode_trains_skips_a_planted_inf_and_resumes_exactly(mode, cfg, tm
     assert history(resumed, "loss_scale") == history(trainer, "loss_scale")
     scaler = torch.load(tmp_path / "checkpoint-3" / "scaler.pt", weights_only=True)
     assert int(scaler["scalers"][0]["skipped_steps"]) == 1
+
+
+def one_step(tmp_path, mode, cfg, **kw):
+    """One SGD(lr=1) step: the change of what the optimizer owns (minus the clipped,
+    unscaled gradient), and the grad_norm the Trainer logged."""
+    kw = {"max_steps": 1, "optim": "sgd", "learning_rate": 1.0, "lr_scheduler_type": "constant",
+          **kw}
+    trainer = AmpTrainer(model=gpt2(), args=args(tmp_path, **kw), train_dataset=Tokens(),
+                         amp_mode=mode, amp_config=cfg)
+    trainer.create_optimizer()  # what train() does first; the optimizer is kept
+    before = [p.detach().clone() for g in trainer.amp_optimizer.param_groups
+              for p in g["params"]]
+    trainer.train()
+    after = [p.detach() for g in trainer.amp_optimizer.param_groups for p in g["params"]]
+    return [a - b for a, b in zip(before, after)], history(trainer, "grad_norm")[0]
+
+
+@pytest.mark.parametrize("mode, cfg", [("torch", {"init_scale": 2.0**10}),
+                                       ("naive", {"initial_scale": 2.0**10})])
+def test_max_grad_norm_clips_the_unscaled_gradients_by_their_global_norm(mode, cfg, tmp_path):
+    delta, logged = one_step(tmp_path, mode, cfg, max_grad_norm=0.25)
+    assert 1.0 < logged < 100  # the unscaled norm (times 1024 if it were scaled)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta]))
+    assert float(total) == pytest.approx(0.25, rel=1e-3)  # clipped to max_grad_norm
+    unclipped, logged_0 = one_step(tmp_path, mode, cfg, max_grad_norm=0.0)
+    assert logged_0 == pytest.approx(logged, rel=1e-5)  # the norm is logged unclipped too
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d)
+                                                 for d in unclipped]))
+    assert float(norm) == pytest.approx(logged, rel=1e-3)
+    for d, u in zip(delta, unclipped):  # one factor for every gradient: a global norm
+        assert torch.allclose(d, u * (0.25 / logged), rtol=1e-3, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode, cfg", [("torch", {"init_scale": 2.0**10}),
+                                       ("naive", {"initial_scale": 2.0**10})])
+def test_gradient_accumulation_scales_each_micro_batch_and_unscales_once(mode, cfg, tmp_path):
+    # Two micro-batches of 4 are one batch of 8 (the Trainer divides each loss by 2).
+    accumulated, n_acc = one_step(tmp_path, mode, cfg, per_device_train_batch_size=4,
+                                  gradient_accumulation_steps=2, max_grad_norm=0.0)
+    whole, n_whole = one_step(tmp_path, mode, cfg, max_grad_norm=0.0)
+    assert n_acc == pytest.approx(n_whole, rel=1e-2)
+    for a, w in zip(accumulated, whole):
+        assert torch.allclose(a, w, rtol=1e-2, atol=1e-4)
+
+
+def test_scale_metrics_and_the_optimizer_after_train(tmp_path):
+    trainer = AmpTrainer(model=gpt2(), args=args(tmp_path, max_steps=2),
+                         train_dataset=Tokens(), callbacks=[Watch(plant_at=0)],
+                         amp_mode="naive", amp_config={"initial_scale": 2.0**8,
+                                                       "hysteresis": 1})
+    with pytest.raises(RuntimeError, match="AmpTrainer.scale_metrics: nothing is converted"):
+        trainer.scale_metrics()
+    trainer.train()
+    assert isinstance(trainer.scale_metrics()["loss_scale"], torch.Tensor)
+    assert trainer.scale_metrics(as_python=True) == {
+        "loss_scale": 128.0, "skipped_steps": 1, "consecutive_skips": 0, "last_finite": True}
+    assert trainer.model.transformer.wte.weight.dtype == torch.float16
+    opt = trainer.amp_optimizer
+    trainer.train()  # a second train() keeps the converted model and optimizer
+    assert trainer.amp_optimizer is opt
+
+
+@pytest.mark.parametrize("option", ["fp16", "fp16_full_eval", "bf16"])
+def test_the_trainers_own_precision_options_are_refused(option, tmp_path):
+    with pytest.raises(ValueError, match=rf"`{option}=True` \(TrainingArguments\) and "
+                                         rf"`amp_mode='naive'` both set the precision: .*"
+                                         rf"Drop `{option}=True`"):
+        AmpTrainer(model=gpt2(), args=args(tmp_path, **{option: True}), amp_mode="naive")
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['initial_scale'\] for "
+                                         "mode 'torch'"):
+        AmpTrainer(model=gpt2(), args=args(tmp_path), amp_mode="torch",
+                   amp_config={"initial_scale": 8.0})
+    with pytest.raises(TypeError, match="the mode's keys must be a dict, got list"):
+        AmpTrainer(model=gpt2(), args=args(tmp_path), amp_mode="torch", amp_config=[1])
+    with pytest.raises(ValueError, match="`amp_mode` is None; name the mode"):
+        AmpTrainer(model=gpt2(), args=args(tmp_path), amp_mode=None)
+    with pytest.raises(TypeError, match="amp_mode"):
+        AmpTrainer(model=gpt2(), args=args(tmp_path))  # the mode is required
+    trainer = AmpTrainer(model=gpt2(), args=args(tmp_path), amp_mode="naive")
+    with pytest.raises(ValueError, match="AmpTrainer converts `self.model`; the Trainer asked"):
+        trainer.create_optimizer(model=torch.nn.Linear(2, 2))
+    trainer.create_optimizer()
+    with pytest.raises(ValueError, match="`scaler.pt` holds"):
+        trainer.accelerator.scaler.load_state_dict({"format": "mpfunc_torch.AmpTrainer",
+                                                    "scalers": []})
