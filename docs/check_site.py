@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 import zlib
@@ -42,6 +43,10 @@ def missing_api_entries(site: Path) -> list[str]:
                 missing.append(f"mpfunc_torch.{n} (shared with mpfunc)")
         elif f"mpfunc_torch.{n}" not in names:
             missing.append(f"mpfunc_torch.{n}")
+    for sub in ("lightning", "transformers"):  # the trainer modules (their own pages)
+        module = importlib.import_module(f"mpfunc_torch.{sub}")
+        missing += [f"mpfunc_torch.{sub}.{n}" for n in module.__all__
+                    if f"mpfunc_torch.{sub}.{n}" not in names]
     return missing
 
 
