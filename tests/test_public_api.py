@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-
 # The trainer integrations: submodules of mpfunc_torch, each importing its trainer.
 SUBMODULES = ["mpfunc_torch.lightning", "mpfunc_torch.transformers"]
 
