@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from torch_task import same
 
 transformers = pytest.importorskip("transformers")
 from mpfunc_torch.transformers import AmpTrainer  # noqa: E402
@@ -86,16 +87,6 @@ class Watch(transformers.TrainerCallback):
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
-
-
-def same(a, b):
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
 
 
 def history(trainer, key):

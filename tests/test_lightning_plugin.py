@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from torch_task import same
 
 from mpfunc_torch.lightning import AmpPrecision
 
@@ -124,16 +125,6 @@ def trainer(name="pytorch_lightning", **kw):
     kw.setdefault("enable_checkpointing", False)
     return L.Trainer(accelerator="cpu", devices=1, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0, **kw)
-
-
-def same(a, b):
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
 
 
 @pytest.mark.parametrize("mode, cfg", PARAMS)
