@@ -431,3 +431,22 @@ def test_fp8_time_budget_skips_and_records(tmp_path):
     assert r["fp8"] == {}
     assert [s["variant"] for s in r["skipped"]] == ["torch/bf16/32", "torch/tensorwise/32"]
     assert {s["reason"] for s in r["skipped"]} == {"time budget"}
+
+
+def test_hf_trainer(tmp_path):
+    # The Trainer's own fp16=True against AmpTrainer, tiny GPT-2 on CPU (the GPU run is
+    # GPT-2 small at batch 8 x 1024): every variant trains and is timed.
+    out = tmp_path / "r.json"
+    printed = run_script("hf_trainer.py", "--device", "cpu", "--tiny", "--steps", "3",
+                         "--warmup", "1", "--batch", "2", "--time-budget", "120",
+                         "--json", str(out))
+    r = json.loads(out.read_text())
+    names = [row["variant"] for row in r["rows"]]
+    assert names == ["Trainer fp16=True", "AmpTrainer naive", "AmpTrainer torch",
+                     "AmpTrainer bf16"]
+    for row in r["rows"]:
+        assert row["median_step_ms"] > 0 and row["timed_steps"] == 2
+        assert row["peak_bytes"] is None  # no peak counter on CPU
+        assert (row["skipped_steps"] is None) == (row["variant"] == "Trainer fp16=True")
+    assert r["rows"][0]["step_time_vs_fp16"] == 1.0
+    assert "| AmpTrainer naive | n/a | n/a |" in printed
