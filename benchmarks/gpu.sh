@@ -20,6 +20,7 @@
 # checkout runs from PYTHONPATH. The recorded commit is $MPFUNC_COMMIT when set, else
 # git's when the checkout is its own repository. Exit status: 0 when every part passed.
 set -uo pipefail
+{ # the whole script is read before it runs: editing the checkout meanwhile is harmless
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
@@ -41,13 +42,14 @@ done
 # The parts, in the order they run, with their time boxes (s): what each took alone on an
 # idle H200 where that was measured, else its CPU time here scaled, with about 1.5x
 # headroom (BENCHMARKS.md, "make gpu"). MIN is the least box worth starting it with.
-# fp8 and trainers are slots for scripts that other work adds (benchmarks/fp8.py's GPT
-# model, ~90 s; the HF Trainer GPT-2 memory run, ~60 s); a missing script is recorded as
-# failed. cpu_suite's box is whatever the budget has left (0 below).
+# fp8 is a slot for what other work adds to benchmarks/fp8.py (a GPT model, ~90 s);
+# trainers is benchmarks/hf_trainer.py (HF Trainer fp16 vs AmpTrainer on GPT-2 small, its
+# own 55 s budget). A missing script is recorded as failed. cpu_suite's box is whatever
+# the budget has left (0 below).
 PARTS=(import_time gpu_tests jax_gpu_compile compare_modes fp8 trainers torch_modes
        jax_scale_cost jax_loss_scale unscale_bandwidth precision_report cpu_suite)
 declare -A BOX=([import_time]=40 [gpu_tests]=75 [jax_gpu_compile]=240 [compare_modes]=150
-                [fp8]=90 [trainers]=60 [torch_modes]=30 [jax_scale_cost]=40
+                [fp8]=90 [trainers]=75 [torch_modes]=30 [jax_scale_cost]=40
                 [jax_loss_scale]=25 [unscale_bandwidth]=20 [precision_report]=20
                 [cpu_suite]=0)
 declare -A MIN=([import_time]=15 [gpu_tests]=30 [jax_gpu_compile]=60 [compare_modes]=60
@@ -141,7 +143,7 @@ if [ $DRY = 1 ]; then
   UNSCALE=(--mib 1 --reps 2)
   TORCH_MODES=(--width 16 --depth 1 --batch 4 --rounds 1 --iters 1 --peak none)
   FP8=(--quick --time-budget 5)
-  TRAINERS=()
+  TRAINERS=(--device cpu --tiny --steps 3 --warmup 1 --batch 2 --time-budget 30)
   REPORT=(--batch 8 --width 32 --depth 1 --rounds 1 --iters 1 --torch-width 32
           --torch-batch 4 --torch-iters 1)
 else
@@ -162,7 +164,7 @@ else
   UNSCALE=(--mib 512 --reps 20)
   TORCH_MODES=(--width 2048 --depth 8 --batch 8192 --rounds 5 --iters 5)
   FP8=(--time-budget 80)
-  TRAINERS=()
+  TRAINERS=(--device cuda --time-budget 55)
   # The 10M-param MLP of BENCHMARKS.md section 9, torch and bf16 modes (torch only, to fit
   # its box: the JAX report is fused by XLA into the step's own kernels).
   REPORT=(--framework torch --rounds 5 --torch-iters 10)
@@ -181,7 +183,7 @@ part compare_modes compare_modes.json \
 part fp8 fp8.json \
   "$PY" benchmarks/fp8.py --device $DEV "${FP8[@]}" --out "$RUN/fp8.json"
 part trainers trainers.json \
-  "$PY" benchmarks/trainers.py --device $DEV "${TRAINERS[@]}" --json "$RUN/trainers.json"
+  "$PY" benchmarks/hf_trainer.py "${TRAINERS[@]}" --json "$RUN/trainers.json"
 part torch_modes torch_modes.json \
   "$PY" benchmarks/torch_modes.py --device $DEV "${TORCH_MODES[@]}" \
   --json "$RUN/torch_modes.json"
@@ -215,3 +217,4 @@ if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
 fi
 for f in "${REPORT[@]}"; do [[ $f == *.md ]] && { echo; cat "$f"; }; done
 exit $status
+}

@@ -389,8 +389,8 @@ def to_markdown(r, md_sections):
 def cmd_assemble(args):
     json_path, md_path, report = assemble(args.run, args.results, args.budget)
     Path(args.run, "outputs").write_text(f"{json_path}\n{md_path}\n")
-    bad = {n: p["status"] for n, p in report["parts"].items()
-           if p["status"] not in ("ok", "not run")}  # not run: left out with --parts
+    bad = {n: p["status"] for n, p in report["parts"].items()  # not run: left out with
+           if p["status"] not in ("ok", "not run") or p.get("skipped")}  # --parts, or cut
     print(f"[gpu.sh] wrote {json_path} and {md_path}")
     print("[gpu.sh] parts: " + ", ".join(f"{n} {p['status']}" for n, p in report["parts"].items()))
     return 1 if bad else 0

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 import zlib
@@ -44,6 +45,10 @@ def missing_api_entries(site: Path) -> list[str]:
             full = f"{module.__name__}.{n}"
             if full not in names or f'id="{full}"' not in page:
                 missing.append(full)
+    for sub in ("lightning", "transformers"):  # the trainer modules (their own pages)
+        module = importlib.import_module(f"mpfunc_torch.{sub}")
+        missing += [f"mpfunc_torch.{sub}.{n}" for n in module.__all__
+                    if f"mpfunc_torch.{sub}.{n}" not in names]
     return missing
 
 

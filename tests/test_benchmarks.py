@@ -408,3 +408,22 @@ def test_import_time(tmp_path):
                            "tensorflow"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--modules: unknown ['tensorflow']; choose from ['torch'," in proc.stderr
+
+
+def test_hf_trainer(tmp_path):
+    # The Trainer's own fp16=True against AmpTrainer, tiny GPT-2 on CPU (the GPU run is
+    # GPT-2 small at batch 8 x 1024): every variant trains and is timed.
+    out = tmp_path / "r.json"
+    printed = run_script("hf_trainer.py", "--device", "cpu", "--tiny", "--steps", "3",
+                         "--warmup", "1", "--batch", "2", "--time-budget", "120",
+                         "--json", str(out))
+    r = json.loads(out.read_text())
+    names = [row["variant"] for row in r["rows"]]
+    assert names == ["Trainer fp16=True", "AmpTrainer naive", "AmpTrainer torch",
+                     "AmpTrainer bf16"]
+    for row in r["rows"]:
+        assert row["median_step_ms"] > 0 and row["timed_steps"] == 2
+        assert row["peak_bytes"] is None  # no peak counter on CPU
+        assert (row["skipped_steps"] is None) == (row["variant"] == "Trainer fp16=True")
+    assert r["rows"][0]["step_time_vs_fp16"] == 1.0
+    assert "| AmpTrainer naive | n/a | n/a |" in printed

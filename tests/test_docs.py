@@ -79,7 +79,7 @@ def test_the_readme_is_a_front_door():
     links = re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", text)
     assert links and all((ROOT / link).exists() for link in links), links
     for page in ("getting-started", "modes", "loss-scaling", "precision-report",
-                 "autocast-policies", "flax", "fp8", "pytorch", "scaling-out",
+                 "autocast-policies", "flax", "fp8", "pytorch", "trainers", "scaling-out",
                  "checkpoints", "migration", "known-limits"):
         assert f"docs/{page}.md" in links, page
 

@@ -313,3 +313,35 @@ def test_torch_fsdp_tp():
         params_kib, masters_kib = (float(c) for c in row.split("|")[2:4])
         assert masters_kib == pytest.approx(2 * params_kib, abs=0.15)
         assert masters_kib < whole / 2
+
+
+def _rows(out):
+    return {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in out.splitlines() if r.startswith("| ") and "---" not in r
+            and not r.startswith("| mode")}
+
+
+def test_lightning_amp():
+    out = run("lightning_amp.py")
+    rows = _rows(out)
+    assert sorted(rows) == ["apex O1", "apex O2", "bf16", "fp8", "naive", "torch"]
+    for name, (first, last, step, skipped, _scale, params, masters) in rows.items():
+        assert float(last) < float(first) - 1.0, name  # it learns
+        assert step == "skipped, params unchanged" and skipped == "1", name
+        # float32 masters of float16 params: twice their bytes (less the fp32 norm)
+        assert (float(masters) > 1.9 * float(params)) == (name in ("naive", "apex O2")), name
+    assert "resumed after the skip (naive): params as the uninterrupted run: True; " \
+           "scale 65536 vs 65536; skipped 1 vs 1" in out
+
+
+@pytest.mark.slow
+def test_hf_trainer_amp():
+    out = run("hf_trainer_amp.py")
+    rows = _rows(out)
+    assert sorted(rows) == ["apex O2", "bf16", "fp8", "naive", "torch"]
+    for name, (first, last, step, lrs, skipped, _scale) in rows.items():
+        assert float(last) < float(first) - 0.3, name
+        assert step == "skipped, params unchanged" and skipped == "1", name
+        before, at, after = lrs.split(" -> ")
+        assert float(before) > float(at) == float(after), name  # the schedule waits
+    assert "params as the uninterrupted run: True; scale 65536 vs 65536; skipped 1 vs 1" in out

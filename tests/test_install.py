@@ -145,6 +145,40 @@ def test_import_mpfunc_torch_without_torch_names_the_extra():
     assert "pip install 'mpfunc[torch]'" in message
 
 
+TRAINERS = "pytorch_lightning,lightning,lightning_fabric,transformers,accelerate"
+
+
+def test_import_mpfunc_torch_loads_no_trainer():
+    # The trainers are imported only by their own modules, when asked for.
+    out = run_without("", "import sys\nimport mpfunc_torch\n", loaded_check(TRAINERS),
+                      "import mpfunc_torch.lightning\n",
+                      "assert 'pytorch_lightning' in sys.modules\n", "print('ok')")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("module, hidden, extra", [
+    ("mpfunc_torch.lightning", "pytorch_lightning,lightning", "lightning"),
+    ("mpfunc_torch.transformers", "transformers", "hf"),
+    ("mpfunc_torch.transformers", "accelerate", "hf"),
+])
+def test_a_trainer_module_without_its_packages_names_the_extra(module, hidden, extra):
+    out = run_without(hidden, f"""
+        import mpfunc_torch
+        try:
+            import {module}
+        except ModuleNotFoundError as e:
+            print(e.name); print(e)
+        else:
+            raise SystemExit("imported")
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, message = out.stdout.split("\n", 1)
+    assert name in hidden.split(",")
+    assert f"needs the `{extra}` extra" in message
+    assert f"pip install 'mpfunc[{extra}]'" in message
+
+
 def test_flax_helpers_without_flax_name_the_extra():
     out = run_without(FLAX_SIDE, """
         import mpfunc
@@ -206,7 +240,13 @@ def test_declared_extras_keep_the_frameworks_apart():
         assert {"jax", "optax"} <= extras[cuda] and not extras[cuda] & {"flax", "torch"}
     # dev installs everything the test suite imports.
     assert {"jax", "optax", "flax", "torch", "pytest", "hypothesis", "chex",
-            "transformers", "jmp", "dm-haiku"} <= extras["dev"]
+            "transformers", "jmp", "dm-haiku", "pytorch-lightning", "lightning",
+            "accelerate"} <= extras["dev"]
+    # The trainer extras bring their trainer and torch, and no JAX.
+    assert {"torch", "pytorch-lightning"} <= extras["lightning"]
+    assert {"torch", "transformers", "accelerate"} <= extras["hf"]
+    for trainers in ("lightning", "hf"):
+        assert not extras[trainers] & {"jax", "jaxlib", "optax", "chex", "flax"}
 
 
 def _closure(requirements: list[str]) -> tuple[set[str], set[str]]:
@@ -240,6 +280,8 @@ def _closure(requirements: list[str]) -> tuple[set[str], set[str]]:
     ("torch", {"jax", "jaxlib", "optax", "chex", "flax", "orbax-checkpoint", "tensorstore"}),
     ("jax", {"flax", "orbax-checkpoint", "tensorstore", "torch"}),
     ("flax", {"torch"}),
+    ("lightning", {"jax", "jaxlib", "optax", "chex", "flax"}),
+    ("hf", {"jax", "jaxlib", "optax", "chex", "flax"}),
 ])
 def test_installed_dependency_closure_of_each_extra(extra, forbidden):
     # Walks the real packages' own Requires-Dist, so a framework that comes in through a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -79,6 +80,14 @@ class _AmpForward:
         self.output_dtype = DTYPES[out] if out else None
         self.autocast_dtype = DTYPES[plan.autocast_dtype] if plan.autocast_dtype else None
         self.fp32_functions = plan.apex_fp32_functions
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # The original forward's: code that reads it (HuggingFace's Trainer keeps only
+        # the batch columns named there) sees the same arguments after conversion.
+        if self.original is not None:
+            return inspect.signature(self.original)
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
     @staticmethod
     def needed(plan: AmpPlan) -> bool:
