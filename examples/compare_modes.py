@@ -537,7 +537,8 @@ def main(argv=None):
                 if cfg.json:  # so far, in case a later run hangs or runs out of time
                     write_json(cfg.json, {"partial": True, "device": cfg.device, "runs": [
                         {k: r[k] for k in ("framework", "mode", "eval", "skipped", "scale")}
-                        | ({"compile_s": r["compile_s"]} if "compile_s" in r else {})
+                        | ({k: r[k] for k in ("compile_s", "compile", "eval_compile_s")}
+                           if "compile" in r else {})
                         for r in results]})
         WATCHDOG.beat("the interleaved timing rounds")
         rates = time_interleaved(timers, cfg)
