@@ -34,7 +34,7 @@ while [ $# -gt 0 ]; do
     --plan) PLAN=1 ;;
     --results) RESULTS=${2:?--results needs a folder}; shift ;;
     --parts) ONLY=${2:?--parts needs a comma-separated list}; shift ;;
-    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
