@@ -131,18 +131,40 @@ def test_compare_modes_compiles_each_jax_step_once(tmp_path):
     # would show here. The timing rounds and the memory figure use the same executable.
     import json
 
-    path = tmp_path / "cm.json"
+    path, cache = tmp_path / "cm.json", tmp_path / "cache"
     out = run("compare_modes.py", "--framework", "jax", "--modes", "torch,naive", "--steps",
               "6", "--rounds", "2", "--window", "2", "--quiet", "--out", str(tmp_path),
-              "--json", str(path))
-    rows = json.loads(path.read_text())["compare_modes"]["rows"]
+              "--json", str(path), "--compile-cache", str(cache), "--compiler-options",
+              "no_triton_gemm")
+    section = json.loads(path.read_text())["compare_modes"]
+    assert section["config"]["xla_options"] == {"xla_gpu_enable_triton_gemm": False}
+    rows = section["rows"]
     assert [r["mode"] for r in rows] == ["fp32", "torch", "naive"]
     for r in rows:
+        # The warm compile (from the persistent cache) is a measurement, not a recompile.
         assert r["compiles"] == {"step": 1, "eval": 1}, r
         assert r["compile_s"] > 0 and len(r["rates"]) == 2
         assert r["speed_vs_fp32"]["min"] <= r["speed_vs_fp32"]["median"]
-    assert "jax naive: train step compiled 1x" in out
+        # Cold (compiled, an entry written to the folder given), then warm (loaded).
+        c = r["compile"]
+        assert (c["first"]["cache"], c["warm"]["cache"]) == ("miss", "hit"), c
+        assert r["compile_cold_s"] == r["compile_s"] and r["compile_warm_s"] > 0
+        assert r["eval_compile_s"] > 0
+    assert any(f.name.startswith("jit_train_step_naive") for f in cache.iterdir())
+    assert f"JAX compilation cache: {cache.resolve()}" in out
+    assert "jax naive: train step compiled 1x (" in out
     assert "\x1b[" not in out  # no progress-bar escapes when stdout is not a terminal
+
+
+def test_compare_modes_names_bad_compiler_options():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "compare_modes.py"),
+                          "--compiler-options", "xla_gpu_autotune_level"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == 2
+    assert ("--compiler-options: compiler options 'xla_gpu_autotune_level': expected a "
+            "preset from ['autotune_0', 'default', 'no_fusion_autotuner', 'no_triton_gemm'] "
+            "or xla_name=value pairs") in out.stderr
 
 
 def test_compare_modes_watchdog_says_where_it_stalled(capfd):
