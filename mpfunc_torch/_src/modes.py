@@ -193,13 +193,14 @@ def convert_to_amp(
             Keys: init_scale, growth_factor, backoff_factor, growth_interval, enabled,
             dtype.
     apex    apex's O0-O3 natively (no apex needed). O1: autocast + apex's fp32 list;
-            O2: float16 params, float32 norms, float32 master weights; O3: pure float16;
+            O2: float16 params, float32 norms, float32 master weights, losses, softmax
+            and norms in float32 (`HalfModelFp32Functions`); O3: pure float16;
             O0: float32. Dynamic levels use the ``"apex"`` preset. Keys: enabled,
             opt_level, cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
             master_weights, loss_scale, cast_model_outputs, num_losses, verbosity,
             min_loss_scale, max_loss_scale.
-    naive   every param float16, float32 master weights, dynamic scale with the
-            ``"naive"`` preset (hysteresis 2). Keys: log_num_zeros_in_grad,
+    naive   every param float16, float32 master weights, losses, softmax and norms
+            in float32 (as O2), dynamic scale with the ``"naive"`` preset (hysteresis 2). Keys: log_num_zeros_in_grad,
             initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
             hysteresis, max_scale, clip_grad, verbose.
     bf16    ``torch.autocast`` to bfloat16, no loss scaling (non-finite steps are still
