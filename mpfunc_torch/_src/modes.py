@@ -13,12 +13,12 @@ from torch import nn
 
 from _mpfunc_common.amp_config import check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
+from mpfunc_torch._src.checkpoint_convert import guard_inner_load, refuse_optimizer_state
 from mpfunc_torch._src.chunked_step import check_step_chunks
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.fp8_convert import convert_to_fp8
 from mpfunc_torch._src.master_weights import (
     follow_model_loads,
-    has_stepped,
     keep_half_masters,
     make_masters,
 )
@@ -357,9 +357,8 @@ def convert_to_amp(
         if target in HALF:
             refuse_data_parallel_wrapper(model, plan)
         _check_fsdp_units(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
-        if plan.master_weights and any(has_stepped(opt) for opt in optimizers):
-            raise ValueError("`optimizer` already has state; convert it to master "
-                             "weights before its first step.")
+        if plan.master_weights:
+            refuse_optimizer_state(optimizers)
         if not plan.master_weights:
             stepped.update((i, target) for i in params_cast(
                 model, plan.keep_norm_fp32, is_norm or is_norm_module) if i in stepped)
@@ -386,6 +385,7 @@ def convert_to_amp(
                      shared=shared, step_chunks=step_chunks)
         for opt in optimizers[1:]
     ]
+    guard_inner_load(optimizers)  # our format, loaded into the optimizers we wrapped
     amp_model._load_guards = guard_model_loads(model)  # before the masters' load hooks
     attach_model(amp_opts, model)  # names for precision_report and skip_leaves
     for opt in amp_opts:
