@@ -313,6 +313,8 @@ def _naive_checkpoint():
     (lambda ck: ck["optimizer"].pop("scalers"), ValueError, "missing keys \\['scalers'\\]"),
     (lambda ck: ck["optimizer"]["master_names"].pop(), ValueError,
      "must list 6 name lists"),
+    (lambda ck: ck["optimizer"]["master_names"].__setitem__(0, "0.weight"), ValueError,
+     "\\['master_names'\\]\\[0\\]` must list the model's names"),
 ])
 def test_a_bad_checkpoint_is_refused_before_anything_is_converted(corrupt, error, match):
     ck = _naive_checkpoint()

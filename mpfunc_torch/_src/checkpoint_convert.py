@@ -176,16 +176,18 @@ def _model_part(model_sd: Any, source: dict[str, Any]) -> dict[str, Any]:
             out[k] = v.float()
     if not source["masters"]:
         return out
-    prefix = _prefix(model_sd, source["names"])
+    for i, names in enumerate(source["names"]):
+        if not (isinstance(names, list | tuple) and names
+                and all(isinstance(n, str) for n in names)):
+            raise ValueError(f"`optimizer_state_dict['master_names'][{i}]` must list the "
+                             f"model's names of that master's param, got {names!r}.")
+    prefix = _prefix(model_sd, source["names"][0][0])
     checked = []
     for i, (master, names) in enumerate(zip(source["masters"], source["names"])):
         where = f"optimizer_state_dict['master_weights'][{i}]"
         if not isinstance(master, torch.Tensor) or master.dtype != torch.float32:
             raise ValueError(f"`{where}` must be a float32 tensor (a master weight), got "
                              f"{getattr(master, 'dtype', type(master).__name__)}.")
-        if not isinstance(names, list | tuple) or not names:
-            raise ValueError(f"`optimizer_state_dict['master_names'][{i}]` must list the "
-                             f"model's names of that master's param, got {names!r}.")
         for name in names:
             key = prefix + name
             value = model_sd.get(key)
@@ -203,11 +205,10 @@ def _model_part(model_sd: Any, source: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _prefix(model_sd: Mapping[str, Any], names: list) -> str:
+def _prefix(model_sd: Mapping[str, Any], first: str) -> str:
     """The prefix the model's keys carry in ``model_sd``: none, or a wrapper's
     (``module.`` for DistributedDataParallel), found from the first master's name."""
-    first = names[0][0] if names and names[0] else ""
-    if not first or first in model_sd:
+    if first in model_sd:
         return ""
     found = sorted({k[:-len(first)] for k in model_sd
                     if isinstance(k, str) and k.endswith("." + first)}, key=len)
