@@ -30,8 +30,13 @@ def setup(name, optimizer=OPT):
     return mpfunc.convert_to_amp(apply_fn, optimizer, mode=mode, **cfg)
 
 
+_STEPS = {}
+
+
 def train(amp, params, state, start, steps):
-    step = jax.jit(train_step(amp))
+    step = _STEPS.get(amp.plan)  # one compile per mode (the setups share OPT)
+    if step is None:
+        step = _STEPS[amp.plan] = jax.jit(train_step(amp))
     for i, (x, y) in enumerate(task(start + steps)):
         if i >= start:
             params, state = step(params, state, x, y)
