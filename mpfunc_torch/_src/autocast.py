@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from _mpfunc_common.amp_config import APEX_O1_FP32_FUNCTIONS
 
 __all__ = ["Fp32Functions", "HalfModelFp32Functions", "HALF_MODEL_FP32_FUNCTIONS",
-           "fp32_callables", "checkpoint_context_fn"]
+           "fp32_callables", "function_mode", "checkpoint_context_fn"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -108,6 +108,21 @@ class Fp32Functions(TorchFunctionMode):
             with torch.autocast(self.device_type, enabled=False):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def function_mode(plan) -> str | None:
+    """The function mode a converted forward runs under: ``"o1"`` (apex O1's fp32 list
+    on top of autocast), ``"half"`` (`HalfModelFp32Functions`: the half-precision
+    models with float32 master weights, naive and apex O2; O3 stays pure float16) or
+    None."""
+    if not plan.enabled:
+        return None
+    if plan.apex_fp32_functions and plan.autocast_dtype is not None:
+        return "o1"
+    if (plan.cast_model_type in ("float16", "bfloat16") and plan.master_weights
+            and plan.autocast_dtype is None):
+        return "half"
+    return None
 
 
 def _first_half_dtype(tree: Any) -> torch.dtype | None:

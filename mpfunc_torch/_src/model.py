@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from _mpfunc_common.amp_config import AmpPlan
-from mpfunc_torch._src.autocast import Fp32Functions, HalfModelFp32Functions
+from mpfunc_torch._src.autocast import Fp32Functions, HalfModelFp32Functions, function_mode
 from mpfunc_torch._src.sharding import cast_module_, is_dtensor
 
 __all__ = [
@@ -80,15 +80,7 @@ class _AmpForward:
         self.output_dtype = DTYPES[out] if out else None
         self.autocast_dtype = DTYPES[plan.autocast_dtype] if plan.autocast_dtype else None
         self.fp32_functions = plan.apex_fp32_functions
-        # The function mode the forward runs under: apex O1's fp32 list on top of
-        # autocast; the half-model modes with float32 masters (naive, apex O2) run the
-        # precision-sensitive functions in float32 (apex O3 stays pure float16).
-        if self.fp32_functions and self.autocast_dtype is not None:
-            self.function_mode = "o1"
-        elif half_model and plan.master_weights and self.autocast_dtype is None:
-            self.function_mode = "half"
-        else:
-            self.function_mode = None
+        self.function_mode = function_mode(plan)  # 'o1', 'half' or None
 
     @property
     def __signature__(self) -> inspect.Signature:
