@@ -142,6 +142,16 @@ def test_torch_modes_without_peaks(tmp_path):
     assert len(r["median_step_ms"]) == 9
 
 
+def test_torch_function_mode(tmp_path):
+    out = tmp_path / "r.json"
+    run_script("torch_function_mode.py", "--d", "16", "--layers", "1", "--batch", "2",
+               "--seq", "8", "--rounds", "1", "--iters", "1", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert set(r["ms"]) == {"naive", "naive, function mode off"}
+    assert r["torch_calls_per_forward"] > 20  # every torch call in forward goes through it
+    assert all(v > 0 for m in r["ms"].values() for v in m.values())
+
+
 def test_torch_modes_in_process_peaks_free_each_variant_first(monkeypatch):
     # The CUDA path (one process, peak stats reset per variant), run on CPU with a meter
     # that checks, at each reset, that no model built before it is still alive.
