@@ -337,6 +337,132 @@ def test_fp8_time_budget_skips_and_records(tmp_path):
     assert {s["reason"] for s in r["skipped"]} == {"time budget"}
 
 
+def test_fp8_gpt_and_dot_models(tmp_path):
+    # The demo's GPT decoder at a tiny size in both frameworks (one init, the same
+    # batches), and JAX's single dot: every row measured, the GPT losses at the same
+    # step close to bf16's.
+    import math
+
+    out = tmp_path / "r.json"
+    run_script("fp8.py", "--quick", "--model", "gpt,dot", "--recipes", "tensorwise,rowwise",
+               "--no-compile", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["skipped"] == []
+    g = "gpt32x2x16"
+    keys = ("bf16", "tensorwise", "rowwise")
+    assert {fw: {k: list(v) for k, v in rows.items()} for fw, rows in r["fp8"].items()} == {
+        "torch": {k: [g] for k in keys}, "jax": {k: [g, "dot32"] for k in keys}}
+    for fw, rows in r["fp8"].items():
+        for key, by_size in rows.items():
+            for size, row in by_size.items():
+                for field in ("step_ms", "tflops", "speed_vs_bf16", "first_step_s"):
+                    assert math.isfinite(row[field]) and row[field] > 0, (fw, key, field)
+                assert (row.get("compile_s", 0) > 0) == (fw == "jax")
+                if size == g:
+                    assert math.isfinite(row["loss"]) and abs(row["loss_vs_bf16"]) < 0.02
+                    assert key != "bf16" or row["loss_vs_bf16"] == 0
+    assert (r["gpt"]["width"], r["gpt"]["layers"], r["gpt"]["context"]) == (32, 2, 16)
+    assert f"| jax | tensorwise | {g} |" in r["markdown"]
+
+
+def test_fp8_time_limit_stops_the_running_variant_and_keeps_the_json(tmp_path):
+    out = tmp_path / "r.json"
+    run_script("fp8.py", "--quick", "--model", "gpt", "--frameworks", "torch", "--recipes",
+               "tensorwise", "--no-compile", "--time-limit", "0.001", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["fp8"] == {}
+    assert r["skipped"] == [
+        {"variant": "torch/bf16/gpt32x2x16", "reason": "time limit (stopped in it)"},
+        {"variant": "torch/tensorwise/gpt32x2x16", "reason": "time limit"}]
+
+
+def test_fp8_budget_skips_a_variant_that_would_not_fit(monkeypatch, capsys):
+    # No variant starts where less time is left than the last of its kind took.
+    import time
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import fp8
+
+    def fake(model, size, fw, recipe, compiled, args):
+        time.sleep(0.4)
+        return {"step_s": 0.001, "first_step_s": 0.0}
+
+    monkeypatch.setattr(fp8, "run_variant", fake)
+    r = fp8.main(["--quick", "--frameworks", "torch", "--recipes", "tensorwise,delayed",
+                  "--no-compile", "--time-budget", "0.6"])
+    assert list(r["fp8"]["torch"]) == ["bf16"]
+    assert r["skipped"] == [{"variant": f"torch/{k}/32", "reason": "time budget"}
+                            for k in ("tensorwise", "delayed")]
+
+
+def test_fp8_dot_baseline_keeps_the_cotangent_in_bfloat16(monkeypatch):
+    # The dot model's bf16 baseline: every GEMM, the backward two included, reads
+    # bfloat16 operands (the cotangent too), as fp8's read fp8 ones; with
+    # preferred_element_type=float32 the backward GEMMs would read a float32 cotangent.
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _fp8_models
+
+    x = jnp.ones((32, 32), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(jax.grad(_fp8_models.dot_loss(None), argnums=(0, 1)))(x, x, None)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+
+    def unfair(x, w, s):
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(unfair, argnums=(0, 1)))(x, x, None)
+    assert any(v.aval.dtype == jnp.float32 for e in jaxpr.eqns
+               if e.primitive.name == "dot_general" for v in e.invars)
+
+
+def test_fp8_eager(tmp_path):
+    # Ops counts are exact (dispatch-mode counts); times only have to be there.
+    out = tmp_path / "r.json"
+    run_script("fp8_eager.py", "--shape", "64,128", "--rounds", "1", "--iters", "1",
+               "--json", str(out))
+    r = json.loads(out.read_text())
+    assert list(r["fp8_eager"]) == ["tensorwise", "delayed", "rowwise", "blockwise"]
+    for recipe, row in r["fp8_eager"].items():
+        assert row["ops_per_operand_fused"] == {"tensorwise": 2, "delayed": 3}.get(recipe, 1)
+        assert row["ops_per_operand_torch_ops"] > 10
+        assert row["ops_per_linear_fused"] < row["ops_per_linear_torch_ops"] - 50
+        for key in ("quantize_us_fused", "quantize_us_torch_ops", "linear_ms_fused",
+                    "linear_ms_torch_ops"):
+            assert row[key] > 0
+    assert "| delayed | 3 (" in r["markdown"] and r["triton_compile"] is None
+
+
+def test_fp8_variant_order_and_selection(monkeypatch, capsys):
+    # Eager torch variants of every model first (the cheap ones, for a time budget),
+    # then compiled, then JAX; --gpt-recipes and --compiled-only select.
+    monkeypatch.syspath_prepend(str(BENCH))
+    import fp8
+
+    ran = []
+
+    def fake(model, size, fw, recipe, compiled, args):
+        ran.append((fw, model, recipe or "bf16", compiled))
+        return {"step_s": 0.001, "first_step_s": 0.0}
+
+    monkeypatch.setattr(fp8, "run_variant", fake)
+    fp8.main(["--quick", "--model", "linear,gpt", "--recipes", "tensorwise",
+              "--gpt-recipes", "delayed"])
+    eager = [("linear", "bf16"), ("linear", "tensorwise"), ("gpt", "bf16"), ("gpt", "delayed")]
+    assert ran == ([("torch", m, r, False) for m, r in eager]
+                   + [("torch", m, r, True) for m, r in eager]
+                   + [("jax", m, r, False) for m, r in eager])
+    ran.clear()
+    fp8.main(["--quick", "--frameworks", "torch", "--recipes", "rowwise", "--compiled-only"])
+    assert ran == [("torch", "linear", "bf16", True), ("torch", "linear", "rowwise", True)]
+    with pytest.raises(SystemExit):
+        fp8.main(["--quick", "--no-compile", "--compiled-only"])
+    assert "leave no torch variant" in capsys.readouterr().err
+
+
 def test_compiler_options_presets_and_pairs():
     sys.path.insert(0, str(BENCH))
     try:
