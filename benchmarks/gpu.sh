@@ -42,7 +42,7 @@ done
 # The parts, in the order they run, with their time boxes (s): what each took alone on an
 # idle H200 where that was measured, else its CPU time here scaled, with about 1.5x
 # headroom (BENCHMARKS.md, "make gpu"). MIN is the least box worth starting it with.
-# fp8 is a slot for what other work adds to benchmarks/fp8.py (a GPT model, ~90 s);
+# fp8 is benchmarks/fp8.py's eager torch variants (stacked Linears and the GPT decoder);
 # trainers is benchmarks/hf_trainer.py (HF Trainer fp16 vs AmpTrainer on GPT-2 small, its
 # own 55 s budget). A missing script is recorded as failed. cpu_suite's box is whatever
 # the budget has left (0 below).
@@ -142,7 +142,8 @@ if [ $DRY = 1 ]; then
   LOSS_SCALE=(--batch 8 --width 32 --depth 1 --rounds 1 --iters 1)
   UNSCALE=(--mib 1 --reps 2)
   TORCH_MODES=(--width 16 --depth 1 --batch 4 --rounds 1 --iters 1 --peak none)
-  FP8=(--quick --time-budget 5)
+  FP8=(--quick --model linear,gpt --frameworks torch --recipes tensorwise --no-compile
+       --time-budget 10 --time-limit 20)
   TRAINERS=(--device cpu --tiny --steps 3 --warmup 1 --batch 2 --time-budget 30)
   REPORT=(--batch 8 --width 32 --depth 1 --rounds 1 --iters 1 --torch-width 32
           --torch-batch 4 --torch-iters 1)
@@ -163,7 +164,14 @@ else
   LOSS_SCALE=(--batch 512 --width 1024 --depth 4 --rounds 10 --iters 10)
   UNSCALE=(--mib 512 --reps 20)
   TORCH_MODES=(--width 2048 --depth 8 --batch 8192 --rounds 5 --iters 5)
-  FP8=(--time-budget 80)
+  # Eager torch only (compiled torch and JAX fp8 compile for minutes: a GPU session of
+  # their own runs them, see BENCHMARKS.md): 4 x Linear(8192) in three recipes and the
+  # demo's GPT (width 2048, 16 layers, sequence 2048) in bf16 and tensorwise fp8.
+  # --time-limit stops a variant still running 75 s after the imports; the JSON is
+  # rewritten after every variant.
+  FP8=(--model linear,gpt --sizes 8192 --frameworks torch --recipes tensorwise,delayed,rowwise
+       --gpt-recipes tensorwise --no-compile --steps 10 --warmup 2 --time-budget 50
+       --time-limit 75)
   TRAINERS=(--device cuda --time-budget 55)
   # The 10M-param MLP of BENCHMARKS.md section 9, torch and bf16 modes (torch only, to fit
   # its box: the JAX report is fused by XLA into the step's own kernels).
