@@ -412,11 +412,12 @@ def test_apex_o2_norm_output_goes_back_to_the_compute_dtype():
         out = amp.apply_fn(params, x)
     tanh = [e for e in eqns if e.primitive.name == "tanh"]
     assert [str(e.invars[0].aval.dtype) for e in tanh] == ["float16"]
-    # the two ops applying scale and bias run in float32 (then go back to float16)
+    # the ops applying the float32 statistic rsqrt(var), the scale and the bias run in
+    # float32 (then go back to float16)
     applied = [e for e in eqns if e.primitive.name in ("mul", "add")
                and all(str(v.aval.dtype) == "float32" for v in e.invars)
                and e.outvars[0].aval.shape == (3, 4)]
-    assert [e.primitive.name for e in applied] == ["mul", "add"]
+    assert [e.primitive.name for e in applied] == ["mul", "mul", "add"]
     ref = jnp.tanh(ln_raw(x.astype(jnp.float16).astype(jnp.float32), params["ln"]))
     np.testing.assert_allclose(out, ref, atol=2e-3)
 
