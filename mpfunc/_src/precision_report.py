@@ -166,8 +166,8 @@ def _scale_array(loss_scale: Any) -> jax.Array:
     device arrays are not read (a host sync)."""
     if loss_scale is None:
         return jnp.ones((), _F32)
-    if isinstance(loss_scale, LossScaleState):
-        return loss_scale.loss_scale
+    if isinstance(loss_scale, LossScaleState):  # its value now (NNX: a mutable variable)
+        return _find_states(loss_scale)[0].loss_scale
     if isinstance(loss_scale, jax.Array):
         if loss_scale.shape != () or not jnp.issubdtype(loss_scale.dtype, jnp.floating):
             raise TypeError("`loss_scale` must be a floating scalar, got an array of dtype "
@@ -313,8 +313,9 @@ def precision_report(
     Args:
       grads: a pytree of gradients; non-floating leaves are left out.
       loss_scale: None (1), a number > 0, a float32 device scalar, the `LossScaleState`
-        or an optax state holding one. Only Python / NumPy numbers are checked: a device
-        scale is not read.
+        or an optax state holding one (``nnx.Optimizer``'s ``opt_state`` too: its value
+        at this call is kept, so a later ``update`` does not change the report). Only
+        Python / NumPy numbers are checked: a device scale is not read.
       dtype: the half-precision format the scaled gradients live in: ``jnp.float16``
         (default), ``jnp.bfloat16``, ``jnp.float32``, ``jnp.float8_e4m3fn``,
         ``jnp.float8_e5m2`` (or their names).
