@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jaxpr_walk import all_eqns
 
 import mpfunc
 
@@ -23,20 +24,8 @@ HALF_MODES = [("naive", {}), ("apex", {"opt_level": "O2", "verbosity": 0})]
 def reduce_dtypes(fn, *args):
     """The operand dtypes of every accumulating reduction in ``fn``'s jaxpr, sub-programs
     included."""
-    found = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name in SUMS:
-                found.append((e.primitive.name, str(e.invars[0].aval.dtype)))
-            for p in e.params.values():
-                for sub in p if isinstance(p, tuple) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [(e.primitive.name, str(e.invars[0].aval.dtype)) for e in all_eqns(fn, *args)
+            if e.primitive.name in SUMS]
 
 
 def rel_err(y, ref):

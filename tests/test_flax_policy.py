@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from jaxpr_walk import all_eqns
 from lenient import adam
 
 import mpfunc
@@ -25,20 +26,8 @@ MATMULS = ("dot_general", "conv_general_dilated")
 
 def matmul_dtypes(fn, *args):
     """Operand dtypes of every matmul/conv in ``fn``'s jaxpr, in order, recursively."""
-    out = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name in MATMULS:
-                out.append(tuple(str(v.aval.dtype) for v in e.invars))
-            for p in e.params.values():
-                for sub in p if isinstance(p, tuple) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return out
+    return [tuple(str(v.aval.dtype) for v in e.invars) for e in all_eqns(fn, *args)
+            if e.primitive.name in MATMULS]
 
 
 def nnx_matmul_dtypes(model, x):

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from donation import assert_own_buffers
+from jaxpr_walk import all_eqns
 from lenient import adam, lenient
 
 import mpfunc
@@ -336,19 +337,10 @@ def transformer_params(key, d=16):
 
 def dot_operand_dtypes(fn, *args):
     count = {}
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "dot_general":
-                key = tuple(str(v.aval.dtype) for v in e.invars)
-                count[key] = count.get(key, 0) + 1
-            for p in e.params.values():
-                for sub in p if isinstance(p, tuple) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for e in all_eqns(fn, *args):
+        if e.primitive.name == "dot_general":
+            key = tuple(str(v.aval.dtype) for v in e.invars)
+            count[key] = count.get(key, 0) + 1
     return count
 
 
