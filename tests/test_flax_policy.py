@@ -1,4 +1,5 @@
-"""Tests for mpfunc._src.flax_policy: haiku's set_policy semantics for flax Linen and NNX.
+"""Tests for mpfunc._src.flax_policy and mpfunc._src.nnx_policy: haiku's set_policy
+semantics for flax Linen and NNX.
 
 The dtypes checked are the ones the matmuls really run in (operands of the jaxpr's
 ``dot_general`` / ``conv_general_dilated``), not only the outputs. haiku itself is the
