@@ -1,6 +1,6 @@
 """fp8 against bf16: training-step throughput in torch (eager and compiled) and JAX (jit).
 
-The model of issue 29: 4 x ``Linear(d, d, bias=False)`` + GELU, batch ``B``, AdamW, one
+The model: 4 x ``Linear(d, d, bias=False)`` + GELU, batch ``B``, AdamW, one
 forward + backward + optimizer step through ``convert_to_amp(mode="bf16")`` against
 ``mode="fp8"`` in each recipe (``mpfunc_torch`` and ``mpfunc``). TFLOP/s counts the three
 GEMMs of each layer: 4 layers x 3 GEMMs x 2·B·d² flops. Each variant runs its warm-up

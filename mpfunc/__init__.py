@@ -24,6 +24,7 @@ from _mpfunc_common.mixed_precision import (
     FP16TorchMixedPrecision,
 )
 from mpfunc._src.autocast import AutocastLists, autocast
+from mpfunc._src.checkpoint_convert import convert_checkpoint
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.distributed import all_finite
 from mpfunc._src.flax_policy import (
@@ -93,6 +94,7 @@ __all__ = [
     "cast_to_half",
     "chain",
     "clip_by_global_norm",
+    "convert_checkpoint",
     "convert_to_amp",
     "convert_to_fp8",
     "dequantize_fp8",

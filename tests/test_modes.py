@@ -219,12 +219,18 @@ def test_modes_match_the_torch_side_table():
     assert float(mpfunc.loss_scale(state)) == 2.0**12
 
 
-def test_verbosity_prints_the_plan_like_the_torch_side(capsys):
-    mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="apex", opt_level="O2")
-    assert "mode=apex O2" in capsys.readouterr().out
-    mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="apex", opt_level="O2", verbosity=0)
-    mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="naive")
-    assert capsys.readouterr().out == ""
+def test_verbosity_logs_the_plan_like_the_torch_side(capsys, caplog):
+    with caplog.at_level("INFO", logger="mpfunc"):
+        mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="apex", opt_level="O2")
+    (record,) = caplog.records
+    assert record.name.startswith("mpfunc.") and record.levelname == "INFO"
+    assert "mode=apex O2" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mpfunc"):
+        mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="apex", opt_level="O2", verbosity=0)
+        mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="naive")
+    assert caplog.records == []
+    assert capsys.readouterr().out == ""  # the library prints nothing
 
 
 def test_naive_clip_and_zero_count():

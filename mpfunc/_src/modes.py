@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -24,6 +25,9 @@ from mpfunc._src.policy import Policy
 from mpfunc._src.scale_rule import as_transformation
 
 __all__ = ["AmpSetup", "ZeroCountState", "convert_to_amp", "count_zeros", "is_norm_param"]
+
+# What a conversion resolved to (apex's verbosity, naive's verbose), at INFO level.
+_LOG = logging.getLogger(__name__)
 
 _JNP = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -167,7 +171,7 @@ def convert_to_amp(
       apply_fn: ``apply_fn(params, *args, **kwargs)``.
       optimizer: the optax optimizer, e.g. ``optax.adamw(1e-3)``.
       mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or ``"fp8"``; None means
-        ``"torch"``.
+        ``"torch"``. ``"apex-O2"`` is ``"apex"`` with ``opt_level="O2"`` (so for O0-O3).
         A Booster name or config object is accepted here too.
       mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
         ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, ``"fp8"``, or a config
@@ -222,7 +226,7 @@ def convert_to_amp(
             "optimizer per loss (`mpfunc.dynamic_scale(...)` each, with its own state). "
             "Remove `num_losses` (the torch side supports it with `loss_id=`).")
     if plan.verbose:  # apex's verbosity / naive's verbose, as on the torch side
-        print(f"mpfunc.convert_to_amp: {plan.describe()}")
+        _LOG.info("mpfunc.convert_to_amp: %s", plan.describe())
     f32 = jnp.float32
     if not plan.enabled:
         # Plain float32. The state still has a (unit) loss scale, so the same train step
