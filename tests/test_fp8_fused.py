@@ -129,6 +129,28 @@ def test_the_fused_path_gives_the_reference_paths_bits(recipe, monkeypatch):
         assert torch.equal(a.isnan(), b.isnan())
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("shape", [(8, 1), (1, 8), (1, 1)])
+def test_a_single_row_or_column_operand_gives_the_reference_bits(recipe, shape, monkeypatch):
+    # Linear(32, 1), or a batch of one: an operand of shape (m, 1) or (1, n), whose
+    # transposed copy has the same memory layout as the operand itself. A custom op's
+    # outputs may not alias each other, so that copy must be a tensor of its own.
+    def run():
+        torch.manual_seed(0)
+        m, n = shape
+        layer = mpfunc_torch.Fp8Linear(n, m, recipe=resolve_recipe(
+            recipe, amax_history_len=4) if recipe == "delayed" else recipe, gemm="emulate")
+        x = torch.randn(m, n, requires_grad=True)
+        y = layer(x)
+        y.float().sum().backward()
+        return [y.detach(), x.grad, *(p.grad for p in layer.parameters())]
+
+    fused = run()
+    monkeypatch.setattr(fp8_fused, "fusable", lambda *t: False)
+    for a, b in zip(fused, run(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_the_ops_pass_torchs_custom_op_checks():
     # Schema, fake (meta) implementations, and tracing under torch.compile / AOT
     # autograd: torch.library.opcheck's own checks.

@@ -89,6 +89,9 @@ def _fp8_cast(x: torch.Tensor, src: torch.Tensor, prev: torch.Tensor | None, nam
             torch.isfinite(prev) & (prev > 0), prev, torch.ones_like(prev))
         scale = out_scale = scale_from_amax(src, name, margin, pow2, fallback)
     q, q_t = cast_pair(x, scale, name, transposed)
+    if transposed and q_t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
+        q_t = q_t.clone()  # a (m, 1) or (1, n) operand: its transpose is a view of q, and
+        #                    a custom op's outputs may not alias each other
     parts = (block_amax(x, (TILE, TILE)).reshape(-1) if partials
              else x.new_empty((0,), dtype=_F32))
     return q, (q_t if transposed else q.new_empty((0,))), out_scale, parts
