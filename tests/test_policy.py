@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from doc_cells import cell_code
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -327,7 +328,8 @@ def readme_jmp_table():
     body = text.split("<!-- jmp-policy-table -->")[1].split("<!-- /jmp-policy-table -->")[0]
     rows = []
     for line in body.strip().splitlines()[2:]:  # skip the header and the rule
-        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        cells = [cell_code(c) for c in line.strip().strip("|").split(" | ")]
+        assert all(cells), f"each cell is one code span: {line!r}"
         rows.append(tuple(cells))
     return rows
 

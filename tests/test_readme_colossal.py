@@ -2,7 +2,6 @@
 plan that its Colossal-AI line asks for (read by tests/colossal_seed.py from the seed
 tutorials, not from mpfunc's table)."""
 
-import re
 from pathlib import Path
 
 import jax
@@ -12,6 +11,7 @@ import optax
 import pytest
 import torch
 from colossal_seed import AMP_TYPE, SEED_SIGNATURES, available_booster_names, interpret
+from doc_cells import cell_code
 
 import mpfunc
 import mpfunc_torch
@@ -32,9 +32,9 @@ def table_rows():
         assert len(cells) == 3, line
         codes = []
         for cell in cells:
-            m = re.fullmatch(r"`([^`]+)`", cell)
-            assert m, f"each cell is one code span: {cell!r}"
-            codes.append(m.group(1))
+            code = cell_code(cell)
+            assert code, f"each cell is one code span: {cell!r}"
+            codes.append(code)
         rows.append(tuple(codes))
     return rows
 
