@@ -205,6 +205,15 @@ class _HalfModelRules(_Rules):
         return norm, [norm.get(v) if not isinstance(v, Literal) else None
                       for v in jaxpr.outvars]
 
+    def edge_dtypes(self, eqn, invals, tags):
+        # Norm params enter a scan (as consts or scanned inputs), a cond or a checkpoint
+        # in float32 (traced as the compute dtype: see `half_model`).
+        out = [None] * len(invals)
+        for i in self.changeable_inputs(eqn):
+            if tags[i] and is_float(jnp.result_type(invals[i])):
+                out[i] = jnp.result_type(invals[i])
+        return out
+
     def rule(self, eqn, invals, tags):
         floats = [(x, t) for x, t, v in zip(invals, tags, eqn.invars)
                   if is_float(jnp.result_type(x)) and not isinstance(v, Literal)]
@@ -222,13 +231,22 @@ class _HalfModelRules(_Rules):
 
 def half_model(fn: Callable, compute_dtype: Any, is_norm: Callable[[tuple, Any], bool]):
     """``fn(params, *args, **kwargs)`` under `_HalfModelRules`; ``is_norm(path, leaf)``
-    marks the float32 normalisation params among ``params``."""
+    marks the float32 normalisation params among ``params``.
+
+    ``fn`` is traced with its float32 norm params seen in the compute dtype (a model
+    all in half precision), then evaluated on the float32 ones: a ``scan`` over layers
+    with float32 norm params would otherwise carry float32 activations out of a body
+    that takes half ones, which JAX refuses."""
 
     def in_tag(path, leaf):
         return len(path) > 2 and path[0].idx == 0 and path[1].idx == 0 and bool(
             is_norm(path[2:], leaf))
 
-    return _HalfModelRules(compute_dtype).wrap(fn, in_tag)
+    def trace_dtype(path, leaf):
+        float_norm = in_tag(path, leaf) and is_float(jnp.result_type(leaf))
+        return np.dtype(compute_dtype) if float_norm else None
+
+    return _HalfModelRules(compute_dtype).wrap(fn, in_tag, trace_dtype)
 
 
 def without_dot_algorithms(fn: Callable) -> Callable:
