@@ -105,6 +105,9 @@ def test_every_mode_runs_the_scan_body_in_its_dtypes(name):
     assert len(bodies) == 2  # one forward, one backward: the demo's step is unrolled no more
     got = sum((dot_dtypes(b) for b in bodies), collections.Counter())
     assert got == BODY_DOTS[name]
+    if name == "fp8":  # and the head's three: every dense GEMM of the step (was 3 of 15)
+        step_dots = dot_dtypes(jaxpr)
+        assert sum(n for d, n in step_dots.items() if E4 in d or E5 in d) == 15
     if name == "apex-O2":  # the scanned norm params enter the body in float32
         forward = bodies[0]
         vec = [str(v.aval.dtype) for v in forward.invars if v.aval.shape == (CFG.width,)]
