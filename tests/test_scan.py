@@ -229,3 +229,30 @@ def test_apex_o2_norm_params_enter_control_flow_in_float32():
                    for name, b in bodies if name in ("checkpoint", "remat", "remat2", "cond",
                                                      "scan")}
     assert norm_inputs == {"remat2": {F32}, "cond": {F32}, "scan": {F32}}
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_apex_o2_runs_the_model_in_half_but_its_norms(scan):
+    # O2 is model.half() with float32 norms: softmax's exp and GELU's tanh run in
+    # float16, as in naive mode. Before, the model was traced with its float32 norm
+    # params, whose promotion cast every activation after the first norm to float32 in
+    # the traced program, and those casts were kept: exp and tanh ran in float32.
+    def ops(name):
+        jaxpr = traced(*setup(name, scan=scan))
+        out = collections.Counter()
+
+        def walk(j):
+            for eqn in j.eqns:
+                if eqn.primitive.name in ("exp", "tanh"):
+                    out[eqn.primitive.name, str(eqn.outvars[0].aval.dtype)] += 1
+                for p in eqn.params.values():
+                    for sub in p if isinstance(p, tuple | list) else (p,):
+                        sub = getattr(sub, "jaxpr", sub)
+                        if hasattr(sub, "eqns"):
+                            walk(sub)
+
+        walk(jaxpr)
+        return out
+
+    o2 = ops("apex-O2")  # (the loss's own exp is float32: the logits come back float32)
+    assert o2 == ops("naive") and o2["exp", F16] > 0 and o2["tanh", F16] > 0
