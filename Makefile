@@ -3,10 +3,12 @@
 #   make test   runs the default test suite (everything but the tests marked slow)
 #   make test-slow  runs the slow ones (multi-process, whole examples); CI runs both
 #   make docs   builds the documentation site into docs/_build/html (warnings are errors)
-#   make gpu    every GPU check in one command (<= 8 min on one H100/H200; see
-#               BENCHMARKS.md). It uses $(PYTHON) with the checkout on PYTHONPATH, not the
-#               .venv, so that it runs on a GPU image as it is; GPU_ARGS=--cpu-dry-run
-#               tries it on CPU.
+#   make gpu    every GPU check in one command (<= 9 min on one H100/H200; see
+#               BENCHMARKS.md): the GPU parts one at a time, alone, then the CPU suite on
+#               every core, each part's time box cut to what is left of the budget. It
+#               uses $(PYTHON) with the checkout on PYTHONPATH, not the .venv, so that it
+#               runs on a GPU image as it is; GPU_ARGS=--cpu-dry-run tries it on CPU,
+#               GPU_ARGS=--plan prints the parts and their boxes.
 # The environment in .venv is reused on later runs; it is rebuilt when pyproject.toml or
 # constraints.txt change.
 

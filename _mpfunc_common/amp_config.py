@@ -21,6 +21,7 @@ from _mpfunc_common.scale_config import (
     resolve_scale_config,
     to_float32,
 )
+from _mpfunc_common.suggest import did_you_mean
 
 __all__ = [
     "MODES",
@@ -156,7 +157,7 @@ class AmpPlan:
       num_losses: independent loss scales (apex ``num_losses``).
       clip_grad: global-norm clip of unscaled grads, 0 = off (naive).
       log_num_zeros_in_grad: count zero grads each step (naive).
-      verbose: print what the conversion did.
+      verbose: log what the conversion did (INFO, the `mpfunc` / `mpfunc_torch` logger).
       fp8_recipe: the fp8 mode's `Fp8Recipe` (linear/dense matmuls in fp8), or None.
     """
 
@@ -237,8 +238,8 @@ def _check_keys(mode: str, config: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(config) - set(valid))
     if unknown:
         raise ValueError(
-            f"unknown config key(s) {unknown} for mode {mode!r}; valid keys for this mode: "
-            f"{sorted(valid) if valid else 'none'}."
+            f"unknown config key(s) {unknown} for mode {mode!r}{did_you_mean(unknown, valid)}; "
+            f"valid keys for this mode: {sorted(valid) if valid else 'none'}."
         )
     merged = dict(valid)
     merged.update(config)
@@ -319,7 +320,8 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
     # apex
     level = cfg["opt_level"]
     if level not in APEX_OPT_LEVELS:
-        raise ValueError(f"`opt_level` must be one of {sorted(APEX_OPT_LEVELS)}, got {level!r}.")
+        raise ValueError(f"`opt_level` must be one of {sorted(APEX_OPT_LEVELS)}, got {level!r}"
+                         f"{did_you_mean([level], APEX_OPT_LEVELS)}.")
     props = dict(APEX_OPT_LEVELS[level])
     for key in ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
                 "master_weights", "loss_scale"):

@@ -17,6 +17,8 @@ _HINTS = {
     "jax": ("(CPU), or 'mpfunc[cuda12]' / 'mpfunc[cuda13]' for jax on NVIDIA GPUs. The "
             "PyTorch side needs no JAX: `import mpfunc_torch` (pip install 'mpfunc[torch]')."),
     "flax": "(it also brings the `jax` extra).",
+    "lightning": "(pytorch-lightning; the `lightning` package works too).",
+    "hf": "(transformers and accelerate).",
     "torch": ("(for a CUDA build, install torch first as pytorch.org says, then the extra). "
               "The JAX side needs no torch: `import mpfunc` (pip install 'mpfunc[jax]')."),
 }

@@ -21,9 +21,10 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from _mpfunc_common.amp_config import MODES, dtype_name, resolve_amp
+from _mpfunc_common.amp_config import APEX_OPT_LEVELS, MODES, dtype_name, resolve_amp
 from _mpfunc_common.fp8 import Fp8Recipe, resolve_recipe
 from _mpfunc_common.scale_config import as_python_number
+from _mpfunc_common.suggest import did_you_mean
 
 __all__ = [
     "MixedPrecisionConfig",
@@ -33,6 +34,7 @@ __all__ = [
     "BF16MixedPrecision",
     "FP8MixedPrecision",
     "MIXED_PRECISION",
+    "APEX_MODE_NAMES",
     "mode_and_config",
 ]
 
@@ -212,6 +214,9 @@ class FP8MixedPrecision(MixedPrecisionConfig):
     recipe: str | Fp8Recipe = "tensorwise"
 
 
+# `mode="apex-O2"` spells `mode="apex", opt_level="O2"` (the demo table's names).
+APEX_MODE_NAMES: dict[str, str] = {f"apex-{level}": level for level in APEX_OPT_LEVELS}
+
 # Colossal-AI Booster's `mixed_precision` names, each with its config class: the name
 # means the class with its defaults, i.e. exactly that mode with the seed's defaults.
 MIXED_PRECISION: dict[str, type[MixedPrecisionConfig]] = {
@@ -230,19 +235,23 @@ def mode_and_config(
     the mode and keys `resolve_amp` takes.
 
     ``mode`` and ``mixed_precision`` accept the same things: a mode (``"naive"``, an
-    ``AMP_TYPE``), a Booster name (``"fp16_naive"``) or a config object. At most one of
+    ``AMP_TYPE``), apex's level as ``"apex-O0"`` ... ``"apex-O3"`` (``"apex"`` with that
+    ``opt_level``), a Booster name (``"fp16_naive"``) or a config object. At most one of
     the two may be given; neither means ``"torch"``. Keys may accompany a name, not an
     object (set them on the object).
 
     Raises:
-      ValueError: both given, keys with a config object, or an unknown name (the
-        message lists the valid ones).
+      ValueError: both given, keys with a config object, an ``"apex-O2"`` with another
+        ``opt_level``, or an unknown name (the message lists the valid ones and the
+        closest).
 
     Examples:
       >>> mode_and_config(None, "fp16_naive", {"hysteresis": 3})[1]["hysteresis"]
       3
       >>> mode_and_config(None, FP16TorchMixedPrecision(growth_interval=10), {})[0]
       'torch'
+      >>> mode_and_config("apex-O2", None, {"verbosity": 0})
+      ('apex', {'verbosity': 0, 'opt_level': 'O2'})
     """
     arg = "mode"
     if mixed_precision is not None:
@@ -270,11 +279,24 @@ def mode_and_config(
             return cls.mode, {**cls().to_config(), **config}
         if name.lower() in MODES:
             return mode, dict(config)
+        apex = {k.lower(): k for k in APEX_MODE_NAMES}.get(name.lower())
+        if apex is not None:
+            level = APEX_MODE_NAMES[apex]
+            given = config.get("opt_level", level)
+            if given != level:
+                raise ValueError(
+                    f"`{arg}={mode!r}` sets opt_level {level!r}, and `opt_level={given!r}` "
+                    f"was given too. Give the level once: `{arg}={mode!r}` alone, or "
+                    f"`{arg}=\"apex\", opt_level=...` with the level you want.")
+            return "apex", {**config, "opt_level": level}
     classes = ", ".join(c.__name__ for c in MIXED_PRECISION.values())
     modes, names = f"{list(MODES)}", f"{list(MIXED_PRECISION)}"
     first, other = (modes, f"a Booster name {names}") if arg == "mode" else (
         names, f"a mode {modes}")
+    choices = [*MODES, *MIXED_PRECISION, *APEX_MODE_NAMES]
     raise ValueError(
         f"`{arg}` must be one of {first}, {other} or a config object ({classes}); "
-        f"got {mode!r}."
+        f"got {mode!r}{did_you_mean([name], choices)}. apex's levels are "
+        f"`{arg}=\"apex\", opt_level=\"O2\"` or, the same, `{arg}=\"apex-O2\"` "
+        f"({', '.join(APEX_MODE_NAMES)})."
     )

@@ -8,19 +8,20 @@ script does everything that is not running a command:
         writes DIR/env.json (device, versions, git commit, date); without --dry-run it
         exits 3 when torch sees no CUDA device.
     python benchmarks/gpu_report.py record --run DIR --name PART --rc RC --started T
-            --timeout S --signal SIG [--result FILE] [--missing PATH] -- COMMAND...
-        writes DIR/PART.part.json: what ran and how it ended.
+            --timeout S --signal SIG [--result FILE] [--missing PATH] [--skipped WHY]
+            -- COMMAND...
+        writes DIR/PART.part.json: what ran, when (start and end, unix s) and how it
+        ended, or why it did not run (--skipped: the time budget).
     python benchmarks/gpu_report.py assemble --run DIR --results DIR
         merges them into RESULTS/gpu-<device>.json and RESULTS/gpu-<device>.md, and
         lists those two paths in DIR/outputs.
 
-The JSON: ``device``, ``versions``, ``git``, ``date``, ``dry_run``, ``budget`` (time boxes),
-``parts`` (per part: command, time box, status ok / failed / timeout / not run, exit
-code, wall time, reason, log file and tail), ``tests`` (the two pytest parts' counts,
-failures and skip reasons), then one section per benchmark: ``compare_modes``, ``fp8``,
-``jax_loss_scale``, ``jax_scale_cost``, ``unscale_bandwidth``, ``torch_modes``,
-``precision_report``. A section
-holds the script's own JSON, or ``{"status", "reason"}`` where the part gave none.
+The JSON: ``device``, ``versions``, ``git``, ``date``, ``dry_run``, ``budget`` (the
+budget, the boxes, the wall time), ``parts`` (per part, in the order they ran: command,
+time box, status ok / failed / timeout / not run, exit code, start, end and wall time,
+reason, log file and tail), ``tests`` (the two pytest parts' counts, failures and skip
+reasons), then one section per benchmark (`SECTIONS`). A section holds the script's own
+JSON, or ``{"status", "reason"}`` where the part gave none.
 """
 
 from __future__ import annotations
@@ -43,14 +44,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
-# Every part gpu.sh knows, in its order: (name, kind). kind "tests" parts leave JUnit XML,
-# "bench" parts a JSON file.
-PARTS = [("gpu_tests", "tests"), ("cpu_suite", "tests"), ("compare_modes", "bench"),
-         ("jax_scale_cost", "bench"), ("jax_loss_scale", "bench"),
-         ("unscale_bandwidth", "bench"), ("torch_modes", "bench"), ("fp8", "bench"),
-         ("precision_report", "bench")]
+# Every part gpu.sh knows, in the order it runs them (one at a time: the GPU parts, then
+# the CPU suite): (name, kind). kind "tests" parts leave JUnit XML, "bench" parts a JSON.
+PARTS = [("import_time", "bench"), ("gpu_tests", "tests"), ("jax_gpu_compile", "bench"),
+         ("compare_modes", "bench"), ("fp8", "bench"), ("trainers", "bench"),
+         ("torch_modes", "bench"), ("jax_scale_cost", "bench"), ("jax_loss_scale", "bench"),
+         ("unscale_bandwidth", "bench"), ("precision_report", "bench"),
+         ("cpu_suite", "tests")]
 SECTIONS = [name for name, kind in PARTS if kind == "bench"]
-BACKGROUND = {"cpu_suite"}  # runs beside the GPU parts, not after them
+CPU_PARTS = {"cpu_suite"}  # after every GPU part, on every core
 TIMEOUT_RCS = {124, 137}  # timeout(1): the signal was sent; the KILL after -k was needed
 TAIL_LINES = 40
 
@@ -110,12 +112,10 @@ def collect_env(dry_run):
     else:
         device["name"] = device.get("gpu", "no CUDA device")
         device["slug"] = slug(device["name"])
-    commit = _run(["git", "rev-parse", "HEAD"]) or os.environ.get("MPFUNC_COMMIT")
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     return {
         "device": device,
         "versions": versions,
-        "git": {"commit": commit, "dirty": None if dirty is None else bool(dirty)},
+        "git": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dry_run": dry_run,
         "platform": platform.platform(),
@@ -123,6 +123,22 @@ def collect_env(dry_run):
                                                "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES",
                                                "HF_HUB_OFFLINE", "PYTHONPATH")},
     }
+
+
+def git_commit(root=ROOT):
+    """``{"commit", "dirty", "source"}``: ``$MPFUNC_COMMIT`` when set (a copy of the
+    checkout without its .git), else git's, but only when git's top level is this
+    checkout (not an enclosing repository that a copy was put inside), else unknown."""
+    if os.environ.get("MPFUNC_COMMIT"):
+        return {"commit": os.environ["MPFUNC_COMMIT"], "dirty": None, "source": "MPFUNC_COMMIT"}
+    top = _run(["git", "-C", str(root), "rev-parse", "--show-toplevel"])
+    if top is None or Path(top).resolve() != Path(root).resolve():
+        return {"commit": None, "dirty": None,
+                "source": "unknown: no MPFUNC_COMMIT, and the checkout is not its own git "
+                          "repository" + (f" (git's top level is {top})" if top else "")}
+    dirty = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
+    return {"commit": _run(["git", "-C", str(root), "rev-parse", "HEAD"]),
+            "dirty": None if dirty is None else bool(dirty), "source": "git"}
 
 
 def cmd_env(args):
@@ -143,10 +159,12 @@ def cmd_env(args):
 
 # -------------------------------------------------------------------------- record
 def cmd_record(args):
+    ended = datetime.datetime.now().timestamp()
     rec = {"name": args.name, "command": shlex.join(args.command), "timeout_s": args.timeout,
-           "signal": args.signal, "rc": args.rc,
-           "wall_s": round(datetime.datetime.now().timestamp() - args.started, 2),
-           "log": f"{args.name}.log", "result": args.result, "missing": args.missing}
+           "signal": args.signal, "rc": args.rc, "started_unix": args.started,
+           "ended_unix": ended, "wall_s": round(ended - args.started, 2),
+           "log": f"{args.name}.log", "result": args.result, "missing": args.missing,
+           "skipped": args.skipped}
     Path(args.run, f"{args.name}.part.json").write_text(json.dumps(rec, indent=2))
     return 0
 
@@ -201,12 +219,16 @@ def pytest_line(log):
 
 def status_of(rec, kind, run):
     """(status, reason) of one part's record."""
+    if rec.get("skipped"):
+        return "not run", rec["skipped"]
     if rec.get("missing"):
         return "failed", f"{rec['missing']} is missing"
     rc = rec["rc"]
     if rc in TIMEOUT_RCS:
+        cut = " (its box was what the budget had left: cut by the budget)" \
+            if rec["name"] in CPU_PARTS else ""
         return "timeout", (f"ran past its {rec['timeout_s']} s time box (sent SIG"
-                           f"{rec['signal']}{', then KILL' if rc == 137 else ''})")
+                           f"{rec['signal']}{', then KILL' if rc == 137 else ''}){cut}")
     if rc != 0:
         if kind == "tests" and rc == 1:
             return "failed", "some tests failed (pytest exit 1)"
@@ -226,24 +248,22 @@ def load_json(run, rec):
 
 
 def section_of(name, data):
-    """(section, markdown or None) from a part's JSON."""
-    if name == "compare_modes":
-        inner = data.get("compare_modes", data) if isinstance(data, dict) else data
-        md = data.get("markdown") if isinstance(data, dict) else None
-        if md is None and isinstance(inner, dict):
-            md = inner.get("markdown")
-        return inner, md
-    if name == "fp8":
-        inner = data.get("fp8", data) if isinstance(data, dict) else data
-        return inner, data.get("markdown") if isinstance(data, dict) else None
-    return data, None
+    """(section, markdown or None) from a part's JSON: the script's own section (a JSON
+    wrapped as ``{name: section}`` is unwrapped) and the markdown it wrote, if any."""
+    if not isinstance(data, dict):
+        return data, None
+    inner = data.get(name, data) if name in ("compare_modes", "fp8", "trainers") else data
+    md = data.get("markdown")
+    if md is None and isinstance(inner, dict):
+        md = inner.get("markdown")
+    return inner, md
 
 
 def bench_markdown(name, data):
     """A benchmark's own table (its to_markdown), or None."""
     modules = {"jax_loss_scale": "jax_loss_scale", "jax_scale_cost": "jax_scale_cost",
                "unscale_bandwidth": "unscale_bandwidth", "torch_modes": "torch_modes",
-               "precision_report": "precision_report"}
+               "precision_report": "precision_report", "import_time": "import_time"}
     if name not in modules:
         return None
     sys.path.insert(0, str(BENCH))
@@ -256,7 +276,7 @@ def bench_markdown(name, data):
         sys.path.remove(str(BENCH))
 
 
-def assemble(run, results, budget_s=480):
+def assemble(run, results, budget_s=540):
     run, results = Path(run), Path(results)
     env_path = run / "env.json"
     env = json.loads(env_path.read_text()) if env_path.exists() else collect_env(False)
@@ -285,7 +305,7 @@ def assemble(run, results, budget_s=480):
         sections[name], md = section_of(name, data)
         md_sections[name] = md or bench_markdown(name, sections[name])
     gpu_boxes = sum(p.get("timeout_s", 0) for n, p in parts.items()
-                    if n not in BACKGROUND and "timeout_s" in p)
+                    if n not in CPU_PARTS and "timeout_s" in p)
     report = {
         "device": env["device"], "versions": env["versions"], "git": env["git"],
         "date": env["date"], "dry_run": env["dry_run"], "platform": env.get("platform"),
@@ -293,7 +313,10 @@ def assemble(run, results, budget_s=480):
         "budget": {"total_s": budget_s, "gpu_parts_time_boxes_s": gpu_boxes,
                    "cpu_suite_time_box_s": parts.get("cpu_suite", {}).get("timeout_s"),
                    "wall_s": (round(datetime.datetime.now().timestamp() - env["started_unix"], 1)
-                              if env.get("started_unix") else None)},
+                              if env.get("started_unix") else None),
+                   "not_run_for_budget": [n for n, p in parts.items()
+                                          if p["status"] == "not run" and p.get("skipped")]},
+        "started_unix": env.get("started_unix"), "overlaps": overlaps(parts),
         "parts": parts, "tests": tests, **sections,
     }
     results.mkdir(parents=True, exist_ok=True)
@@ -302,6 +325,15 @@ def assemble(run, results, budget_s=480):
     json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     md_path.write_text(to_markdown(report, md_sections))
     return json_path, md_path, report
+
+
+def overlaps(parts):
+    """Pairs of parts whose runs overlapped in time (none: gpu.sh runs one at a time)."""
+    spans = sorted((p["started_unix"], p["ended_unix"], n) for n, p in parts.items()
+                   if p.get("started_unix") is not None and p.get("ended_unix") is not None
+                   and p["status"] != "not run")
+    return [[a, b] for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:])
+            if start_b < end_a]
 
 
 def to_markdown(r, md_sections):
@@ -313,17 +345,23 @@ def to_markdown(r, md_sections):
             f"torch {v.get('torch')} (CUDA {v.get('torch_cuda')}), jax {v.get('jax')} "
             f"(CUDA plugin {v.get('jax-cuda13-plugin') or v.get('jax-cuda12-plugin')}), "
             f"flax {v.get('flax')}, optax {v.get('optax')}. Wall time "
-            f"{r['budget']['wall_s']} s of a {r['budget']['total_s']} s budget; the CPU suite "
-            "ran beside the GPU parts (on the same host cores), so step times there are "
-            "noisier than alone.\n")
+            f"{r['budget']['wall_s']} s of a {r['budget']['total_s']} s budget; the parts ran "
+            "one at a time, the GPU parts alone on the machine, then the CPU suite on every "
+            "core.\n")
+    cut = r["budget"].get("not_run_for_budget")
+    if cut:
+        head += f"\nNot run, for the time budget: {', '.join(cut)}.\n"
     if r["dry_run"]:
         head += ("\n**CPU dry run**: every part at a tiny size on CPU, to check the pipeline; "
                  "no figure here is a GPU figure.\n")
-    lines = [head, "| part | status | wall (s) | time box (s) | command |",
+    lines = [head, "| part | status | from-to (s) | time box (s) | command |",
              "| --- | --- | --- | --- | --- |"]
+    t0 = r.get("started_unix")
     for name, p in r["parts"].items():
         status = p["status"] + (f": {p['reason']}" if p.get("reason") else "")
-        lines.append(f"| {name} | {status} | {p.get('wall_s', '-')} | "
+        span = (f"{p['started_unix'] - t0:.0f}-{p['ended_unix'] - t0:.0f}"
+                if t0 and p.get("started_unix") and p["status"] != "not run" else "-")
+        lines.append(f"| {name} | {status} | {span} | "
                      f"{p.get('timeout_s', '-')} | `{p.get('command', '-')}` |")
     for name, t in r["tests"].items():
         counts = ", ".join(f"{t[k]} {k}" for k in ("passed", "failed", "errors", "skipped")
@@ -351,8 +389,8 @@ def to_markdown(r, md_sections):
 def cmd_assemble(args):
     json_path, md_path, report = assemble(args.run, args.results, args.budget)
     Path(args.run, "outputs").write_text(f"{json_path}\n{md_path}\n")
-    bad = {n: p["status"] for n, p in report["parts"].items()
-           if p["status"] not in ("ok", "not run")}  # not run: left out with --parts
+    bad = {n: p["status"] for n, p in report["parts"].items()  # not run: left out with
+           if p["status"] not in ("ok", "not run") or p.get("skipped")}  # --parts, or cut
     print(f"[gpu.sh] wrote {json_path} and {md_path}")
     print("[gpu.sh] parts: " + ", ".join(f"{n} {p['status']}" for n, p in report["parts"].items()))
     return 1 if bad else 0
@@ -374,11 +412,12 @@ def main(argv=None):
     r.add_argument("--signal", default="ABRT")
     r.add_argument("--result", default=None)
     r.add_argument("--missing", default=None)
+    r.add_argument("--skipped", default=None, help="why the part did not run")
     r.add_argument("command", nargs=argparse.REMAINDER)
     a = sub.add_parser("assemble")
     a.add_argument("--run", required=True)
     a.add_argument("--results", required=True)
-    a.add_argument("--budget", type=int, default=480, help="gpu.sh's whole time budget (s)")
+    a.add_argument("--budget", type=int, default=540, help="gpu.sh's whole time budget (s)")
     args = ap.parse_args(argv)
     if args.what == "record":
         if args.command[:1] == ["--"]:

@@ -14,9 +14,13 @@ same model, data and compute dtype:
 Runs are interleaved (A B C D A B C D ...) and the median of the per-round step times is
 reported, with ratios against ``plain``. Params, state and inputs are put on the device
 first (committed) and each step is compiled once, ahead of time; the JSON's ``compiles``
-counts every variant's step compiles (1 each).
+counts every variant's step compiles (1 each). ``compile`` holds each step's cold and
+warm compile seconds: with JAX's persistent compilation cache on (the default; see
+``benchmarks/_jax_compiles.py``), the step is compiled again after ``jax.clear_caches()``
+and loaded from the cache folder (that second compile is not counted in ``compiles``).
 
     python benchmarks/jax_loss_scale.py [--batch 512] [--width 1024] [--rounds 15] [--json F]
+        [--compile-cache DIR | --no-compile-cache]
 """
 
 from __future__ import annotations
@@ -30,7 +34,16 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
-from _jax_compiles import CompileCounter, check_once, named, step_name
+from _jax_compiles import (
+    CompileCounter,
+    add_cache_args,
+    cache_from_args,
+    check_once,
+    compile_cold_warm,
+    compile_summary,
+    named,
+    step_name,
+)
 
 import mpfunc
 from _mpfunc_common.scale_config import resolve_scale_config
@@ -103,7 +116,7 @@ def make_steps(policy, lr=1e-3):
     return steps, inits
 
 
-def run(batch, width, depth, rounds, iters, compute):
+def run(batch, width, depth, rounds, iters, compute, cache_dir=None):
     counter = CompileCounter()
     dev = jax.devices()[0]
     policy = mpfunc.get_policy(f"p=f32,c={compute},o=f32")
@@ -115,11 +128,13 @@ def run(batch, width, depth, rounds, iters, compute):
     x = jax.device_put(jax.random.normal(jax.random.key(1), (batch, 512)), dev)
     y = jax.device_put(jax.random.randint(jax.random.key(2), (batch,), 0, 10), dev)
     fns, inits = make_steps(policy)
-    steps, states, names = {}, {}, {}
+    steps, states, names, compile_times = {}, {}, {}, {}
     for i, name in enumerate(fns):
         names[name] = step_name(name, i)
         p, s = params, jax.device_put(inits[name](params), dev)
-        steps[name] = jax.jit(named(fns[name], names[name])).lower(p, s, x, y).compile()
+        step = jax.jit(named(fns[name], names[name]))
+        steps[name], compile_times[name] = compile_cold_warm(
+            lambda step=step, p=p, s=s: step.lower(p, s, x, y), counter)
         p, s = steps[name](p, s, x, y)  # warm up
         jax.block_until_ready((p, s))
         states[name] = (p, s)
@@ -152,6 +167,8 @@ def run(batch, width, depth, rounds, iters, compute):
         "ratio_mpfunc_vs_manual": med["mpfunc"] / med["manual"],
         "compiles": compiles,  # XLA compiles of each variant's step: 1 each
         "compile_problems": check_once(compiles),
+        "compile_cache": cache_dir,  # None: off
+        "compile": compile_times,  # per variant: cold and warm compile seconds
     }
 
 
@@ -171,6 +188,8 @@ def to_markdown(r):
     lines.append(f"mpfunc / manual jmp-style loop: {r['ratio_mpfunc_vs_manual']:.3f}x")
     if "compiles" in r:
         lines.append("XLA compiles per step: " + (", ".join(r["compile_problems"]) or "1 each"))
+    if "compile" in r:
+        lines.append(compile_summary(r["compile"], r.get("compile_cache")))
     return "\n".join(lines)
 
 
@@ -183,8 +202,11 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--compute", default="f32")
     ap.add_argument("--json", default=None, help="also write the result here")
+    add_cache_args(ap)
     args = ap.parse_args(argv)
-    r = run(args.batch, args.width, args.depth, args.rounds, args.iters, args.compute)
+    cache_dir = cache_from_args(args)
+    r = run(args.batch, args.width, args.depth, args.rounds, args.iters, args.compute,
+            cache_dir)
     print(to_markdown(r))
     if args.json:
         with open(args.json, "w") as f:

@@ -9,14 +9,17 @@ it, at three depths of an MLP (width 256, two leaves per layer), all compiled as
 * compile time: ``lower`` + ``compile``, each the minimum over ``--compile-repeats``,
   interleaved over the variants; each compile runs in a fresh process (after a warm-up
   compile of an unrelated function), as a training run's first step does.
-  ``--compile-in-process`` times them all in this process instead.
+  ``--compile-in-process`` times them all in this process instead. These compiles
+  bypass JAX's persistent compilation cache (cold, whatever its folder holds); with the
+  cache on (the default, ``benchmarks/_jax_compiles.py``), each row also has the step's
+  warm compile (``warm_compile_s``: loaded from the cache folder, in this process).
 * step time: the fastest of interleaved rounds (A B C ... A B C ...), which on a shared
   machine is the round no other process interrupted. The JSON also has the median, and
   the median over rounds of each round's ratio to its baseline's time in that round
   (``step_ratio_paired_median``, the steadiest figure on a noisy machine).
 
     python benchmarks/jax_scale_cost.py [--depths 8 24 96] [--batch 32] [--json F]
-        [--model transformer]
+        [--model transformer] [--compile-cache DIR | --no-compile-cache]
 
 ``--model transformer`` swaps the MLP for a pre-LayerNorm transformer (width 256, 4
 heads, sequence 64, MLP 1024; ten leaves per layer), so the optimizer is a smaller share
@@ -45,7 +48,16 @@ import gpu_report
 import jax
 import jax.numpy as jnp
 import optax
-from _jax_compiles import CompileCounter, named, step_name
+from _jax_compiles import (
+    CompileCounter,
+    add_cache_args,
+    cache_from_args,
+    cache_paused,
+    named,
+    step_name,
+    use_compile_cache,
+    warm_compile,
+)
 
 import mpfunc
 from _mpfunc_common.scale_config import resolve_scale_config
@@ -339,26 +351,32 @@ def measure(variants, depth, batch, compile_repeats, rounds, iters, isolated=Tru
     # does: in one long process a compile right after a very large one (jmp's or flax's
     # rows, 11-36 s at 96 layers) ran up to 1.5x slower (BENCHMARKS.md section 6).
     compiled = {}
-    for _ in range(compile_repeats):
-        for name, (_, _, step, _) in variants.items():
-            if isolated:
-                t = _compile_in_subprocess(name, depth, batch)
-                lower_s, xla_s = t["lower_s"], t["xla_compile_s"]
-            else:
-                lower_s, xla_s, compiled[name] = compile_time(step, *inputs[name], x,
-                                                              names[name])
-            best[name] = [min(best[name][0], lower_s), min(best[name][1], xla_s)]
+    with cache_paused():  # cold compiles (the children run with the cache off)
+        for _ in range(compile_repeats):
+            for name, (_, _, step, _) in variants.items():
+                if isolated:
+                    t = _compile_in_subprocess(name, depth, batch)
+                    lower_s, xla_s = t["lower_s"], t["xla_compile_s"]
+                else:
+                    lower_s, xla_s, compiled[name] = compile_time(step, *inputs[name], x,
+                                                                  names[name])
+                best[name] = [min(best[name][0], lower_s), min(best[name][1], xla_s)]
     for name, (_, _, step, _) in variants.items():
         if name not in compiled:
             compiled[name] = compile_time(step, *inputs[name], x, names[name])[2]
-    for name, (base, *_) in variants.items():
+    for name, (base, _, step, _) in variants.items():
         m = compiled[name].memory_analysis()
         peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                 - m.alias_size_in_bytes)
+        jitted = jax.jit(named(step, names[name]), donate_argnums=(0, 1))
+        warm = warm_compile(lambda jitted=jitted, name=name: jitted.lower(*inputs[name], x),
+                            counter)
         rows[name] = {"baseline": base, "peak_bytes": int(peak),
                       "temp_bytes": int(m.temp_size_in_bytes),
                       "lower_s": best[name][0], "xla_compile_s": best[name][1],
-                      "compile_s": sum(best[name])}
+                      "compile_s": sum(best[name]),
+                      "warm_compile_s": warm["total_s"] if warm else None,
+                      "warm_cache": warm["cache"] if warm else None}
         p, s = compiled[name](*inputs[name], x)  # warm up
         jax.block_until_ready((p, s))
         runs[name] = [compiled[name], p, s, []]
@@ -406,7 +424,8 @@ def _importable(module):
     return True
 
 
-def run(depths, batch, compile_repeats, rounds, iters, only=None, isolated=True):
+def run(depths, batch, compile_repeats, rounds, iters, only=None, isolated=True,
+        cache_dir=None):
     variants = scaling_variants()
     skipped = {}
     if not _importable("jmp"):
@@ -434,7 +453,7 @@ def run(depths, batch, compile_repeats, rounds, iters, only=None, isolated=True)
         "model": _model, "batch": batch, "width": WIDTH, "compile_repeats": compile_repeats,
         "rounds": rounds, "iters": iters, "compile_isolated": isolated,
         "expected_compiles_per_step": expected, "compile_problems": problems,
-        "skipped": skipped, "depths": depth_rows,
+        "compile_cache": cache_dir, "skipped": skipped, "depths": depth_rows,
     }
 
 
@@ -465,6 +484,11 @@ def to_markdown(r):
         out.append(f"| {name} | {row0['baseline'] or '-'} | " + " | ".join(cells) + " |")
     for name, why in r.get("skipped", {}).items():
         out.append(f"\nNot measured: {name} ({why}).")
+    warm = [f"{name} {d['rows'][name]['warm_compile_s']:.2f} s" for d in depths
+            for name in d["rows"] if d["rows"][name].get("warm_compile_s") is not None]
+    if warm:
+        out.append(f"\nWarm compile (from the persistent cache in {r['compile_cache']}): "
+                   + "; ".join(warm))
     if "compile_problems" in r:
         out.append("\nXLA compiles per step in this process: "
                    + ("; ".join(r["compile_problems"])
@@ -485,15 +509,18 @@ def main(argv=None):
     ap.add_argument("--compile-in-process", action="store_true",
                     help="time every compile in this one process, not each in a fresh one")
     ap.add_argument("--compile-one", default=None, help=argparse.SUPPRESS)
+    add_cache_args(ap)
     args = ap.parse_args(argv)
     global _model
     _model = args.model
-    if args.compile_one:  # the subprocess behind an isolated compile time
+    if args.compile_one:  # the subprocess behind an isolated compile time: cold
+        use_compile_cache(None)
         print(json.dumps(compile_one(args.compile_one, args.depths[0], args.batch)))
         return None
+    cache_dir = cache_from_args(args)
     try:
         r = run(args.depths, args.batch, args.compile_repeats, args.rounds, args.iters,
-                args.only, isolated=not args.compile_in_process)
+                args.only, isolated=not args.compile_in_process, cache_dir=cache_dir)
     except ValueError as e:
         ap.error(str(e))
     print(to_markdown(r))

@@ -12,9 +12,12 @@ memory and cores. Sharding, collectives and per-device buffers are real; speed i
 
 Params, state and the batch are placed with their shardings first, and each N's step is
 compiled once, ahead of time; that executable runs the step and gives
-``memory_analysis()`` (each row's ``step_compiles`` counts its compiles: 1).
+``memory_analysis()`` (each row's ``step_compiles`` counts its compiles: 1). Each row's
+``compile`` has the step's cold and warm compile seconds (JAX's persistent compilation
+cache, on by default: see ``benchmarks/_jax_compiles.py``).
 
     python benchmarks/jax_sharding.py [--device cpu|gpu] [--hidden 2048] [--json]
+        [--compile-cache DIR | --no-compile-cache]
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ import sys
 
 
 def parse(argv):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _jax_compiles import add_cache_args  # jax-free: jax is not imported yet
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print one JSON line instead")
+    add_cache_args(ap)
     return ap.parse_args(argv)
 
 
@@ -39,14 +46,13 @@ def measure(args):
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from _jax_compiles import CompileCounter, cache_from_args, compile_cold_warm, named
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import mpfunc
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _jax_compiles import CompileCounter, named
-
+    cache_dir = cache_from_args(args)
     counter = CompileCounter()
     h, layers = args.hidden, args.layers
     rng = np.random.default_rng(0)
@@ -81,8 +87,10 @@ def measure(args):
                         out_shardings=mpfunc.state_sharding(amp.optimizer, params))(params)
         x = jax.device_put(jnp.ones((64, h), jnp.float32), split_rows)
         name = f"bench_step_fsdp{n}"
-        compiled = jax.jit(named(step, name), donate_argnums=(0, 1)).lower(
-            params, state, x).compile()
+        jitted = jax.jit(named(step, name), donate_argnums=(0, 1))
+        compiled, compile_rec = compile_cold_warm(
+            lambda jitted=jitted, params=params, state=state, x=x: jitted.lower(
+                params, state, x), counter)
         params, state = compiled(params, state, x)  # one real step; shardings as compiled
         dev0 = mesh.devices.flat[0]
 
@@ -99,11 +107,12 @@ def measure(args):
             "step_argument_bytes_per_device": None if mem is None else int(mem.argument_size_in_bytes),
             "step_temp_bytes_per_device": None if mem is None else int(mem.temp_size_in_bytes),
             "step_compiles": counter.of(name),
+            "compile": compile_rec,
         })
     d = jax.devices()[0]
     return {"device": f"{d.platform}: {d.device_kind}", "jax": jax.__version__,
             "params": int(n_params), "layers": layers, "hidden": h, "rows": rows,
-            "finite_step": bool(state.last_finite)}
+            "finite_step": bool(state.last_finite), "compile_cache": cache_dir}
 
 
 def to_markdown(r):
@@ -122,6 +131,11 @@ def to_markdown(r):
             f"{row['master_bytes_per_device'] / base:.3f} | {mib(row['param_bytes_per_device'])} | "
             f"{mib(row['opt_state_bytes_per_device'])} | "
             f"{mib(row['step_argument_bytes_per_device'])} | {mib(row['step_temp_bytes_per_device'])} |")
+    if all("compile" in row for row in r["rows"]):
+        from _jax_compiles import compile_summary
+
+        lines += ["", compile_summary({f"N={row['devices']}": row["compile"] for row in r["rows"]},
+                                      r.get("compile_cache"))]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""What the precision report costs when it is built every step (issue 32).
+"""What the precision report costs when it is built every step.
 
 JAX: the MLP of ``jax_loss_scale.py`` (512-768-768-10 by default, batch 512) as a flax
 Linen module, float16 compute (``mpfunc.get_policy("c=f16")``), jitted steps:

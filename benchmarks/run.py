@@ -73,7 +73,7 @@ def main(argv=None):
 
     r = precision_report.main(["--device", args.device])
     results["precision_report"] = r
-    sections.append("## Precision report every step (issue 32)\n\nCommand: `python "
+    sections.append("## Precision report every step (its cost in step time)\n\nCommand: `python "
                     f"benchmarks/precision_report.py --device {args.device}`\n\n"
                     f"{precision_report.to_markdown(r)}")
 

@@ -288,7 +288,7 @@ def time_steps(args) -> dict[str, float]:
 
 def copy_ab(width: int, depth: int, rounds: int = 30) -> dict[str, float]:
     """Times the grads -> masters copy alone, interleaved in one process: one foreach
-    copy of everything (the hand-written loop, mpfunc before issue 15) against mpfunc's
+    copy of everything (the hand-written loop, and mpfunc's own earlier copy) against mpfunc's
     chunked copy, on the same half grads. Returns medians in ms."""
     from mpfunc_torch._src.master_weights import copy_grads_to_masters_, largest_first
 

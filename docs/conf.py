@@ -7,6 +7,7 @@ without anyone editing a page, and one removed loses it.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import sys
@@ -50,12 +51,16 @@ API_PAGES = {
               "master weights, flax policies, fp8 and the AMP modes.",
     "mpfunc_torch": "The PyTorch package: `convert_to_amp` and its modes, the wrapped "
                     "optimizer, fp8, checkpoints and scale-out helpers.",
+    "mpfunc_torch.lightning": "The Lightning precision plugin (the `lightning` extra); see "
+                              "[Lightning and HF Trainer](../trainers.md).",
+    "mpfunc_torch.transformers": "HuggingFace's Trainer in any mode (the `hf` extra); see "
+                                 "[Lightning and HF Trainer](../trainers.md).",
 }
 
 
 def api_entries(module_name: str) -> list[tuple[str, str]]:
     """``(name, autodoc directive)`` for every name in the module's ``__all__``."""
-    module = __import__(module_name)
+    module = importlib.import_module(module_name)
     out = []
     for name in module.__all__:
         obj = getattr(module, name)
@@ -76,7 +81,7 @@ def shared_with_jax(module_name: str, name: str) -> str | None:
         return None
     import mpfunc
 
-    obj = getattr(__import__(module_name), name)
+    obj = getattr(importlib.import_module(module_name), name)
     if getattr(mpfunc, name, None) is obj:
         return "class" if inspect.isclass(obj) else "function"
     return None
@@ -94,7 +99,13 @@ def write_api_pages(app=None) -> None:
             if shared:  # one object, documented (and indexed) once, under mpfunc
                 lines += [f"The same {shared} as {{py:obj}}`mpfunc.{name}` (one shared "
                           "definition for both frameworks).", ""]
-            lines += ["```{eval-rst}", f".. {directive}:: {module_name}.{name}"]
+            lines += ["```{eval-rst}"]
+            if shared:
+                # Its own target and inventory entry, so that `mpfunc_torch.<name>`
+                # links here too; the autodoc entry below only shows it (indexing it
+                # would register its `_mpfunc_common` name a second time).
+                lines += [f".. py:{shared}:: {module_name}.{name}", "   :no-typesetting:", ""]
+            lines += [f".. {directive}:: {module_name}.{name}"]
             lines += ["   :no-index:"] * bool(shared) + ["```", ""]
         text = "\n".join(lines)
         page = api / f"{module_name}.md"

@@ -18,7 +18,12 @@ axis, so its step compiles in about the same time at 12 layers as at 2 (BENCHMAR
 Each JAX run's train step is compiled once, ahead of time, with its params, state and
 batches already on the device; that one executable trains, is timed and gives the
 memory figure (evaluation compiles once more). The table's last lines say how often each
-compiled. On a GPU, float32 is strict float32 in both frameworks (JAX
+compiled and how long it took: cold, then warm. JAX's persistent compilation cache is on
+(``$MPFUNC_JAX_CACHE``, else ``~/.cache/mpfunc/jax``; ``--no-compile-cache`` turns it
+off): the warm figure is a second compile of the step after ``jax.clear_caches()``,
+loaded from that folder, as a second run of the demo loads it. ``--compiler-options``
+passes XLA options to every JAX compile (a preset of ``benchmarks/_jax_compiles.py``'s
+``XLA_OPTION_SETS``, or ``xla_name=value`` pairs; default: XLA's own). On a GPU, float32 is strict float32 in both frameworks (JAX
 ``default_matmul_precision="highest"``, torch TF32 off) and a ``tf32`` run of each adds
 a second ratio column against TF32.
 
@@ -46,6 +51,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The benchmarks' compile helpers (they import jax only when used).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _jax_compiles import (  # noqa: E402
+    XLA_OPTION_SETS,
+    CompileCounter,
+    add_cache_args,
+    cache_from_args,
+    compile_cold_warm,
+    compiler_options,
+)
 from compare_report import compile_summary, parity, plot, table, to_json  # noqa: E402
 from data import VOCAB, load_corpus, split, windows  # noqa: E402
 
@@ -208,11 +223,32 @@ def jax_train_step(amp):
 
 # ------------------------------------------------------------------------------- runs
 def bar(total, desc, quiet):
+    """A progress bar on a terminal. Elsewhere (a log file, a pipe) a bar is escape
+    sequences, not progress: one line per finished run instead. Nothing with --quiet."""
+    if not quiet and not sys.stderr.isatty():
+        return DoneLine(total, desc)
     from tqdm import tqdm
 
-    # No bars into a log file: they are escape sequences, not progress, there.
-    return tqdm(total=total, desc=desc, leave=False, ncols=80,
-                disable=quiet or not sys.stderr.isatty())
+    return tqdm(total=total, desc=desc, leave=False, ncols=80, disable=quiet)
+
+
+class DoneLine:
+    """`bar` off a terminal: counts like a bar, and prints one line to stderr when done."""
+
+    def __init__(self, total, desc):
+        self.total, self.desc, self.n = total, " ".join(desc.split()), 0
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def update(self, n=1):
+        self.n += n
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is None:
+            print(f"compare_modes.py: {self.desc} done, {self.n}/{self.total} in "
+                  f"{time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
 
 
 class Watchdog:
@@ -351,12 +387,15 @@ def run_jax(name, cfg, data, evals, init_params, compiles):
     # made explicit. The half modes' matmuls are half whatever this says. On CPU both
     # float32 runs are plain float32.
     precision = {"fp32": "highest", "tf32": "tensorfloat32"}.get(name)
-    WATCHDOG.beat(f"jax {name}, compiling the train step")
-    t0 = time.perf_counter()
+    WATCHDOG.beat(f"jax {name}, compiling the train step (then again, from the cache)")
     with jax.numpy_dtype_promotion("standard"), jax.default_matmul_precision(precision):
-        step_c = jax.jit(step).lower(params, state, *data[0]).compile()
-        eval_c = jax.jit(loss_fn).lower(params, *jax.device_put(evals[0], device)).compile()
-    compile_s = time.perf_counter() - t0
+        step_c, compile_rec = compile_cold_warm(
+            lambda: jax.jit(step).lower(params, state, *data[0]), compiles, cfg.xla_options)
+        WATCHDOG.beat(f"jax {name}, compiling the evaluation")
+        t0 = time.perf_counter()
+        eval_c = jax.jit(loss_fn).lower(params, *jax.device_put(evals[0], device)).compile(
+            compiler_options=cfg.xla_options)
+        eval_compile_s = time.perf_counter() - t0
 
     losses, scales = [], []
     with bar(cfg.steps, f"jax   {name}", cfg.quiet) as pb:
@@ -385,7 +424,8 @@ def run_jax(name, cfg, data, evals, init_params, compiles):
         "losses": np.asarray(jax.device_get(losses), np.float32),
         "scales": np.asarray(jax.device_get(scales), np.float32),
         "eval": float(np.mean(ev)), "skipped": int(m["skipped_steps"]),
-        "scale": float(m["loss_scale"]), "compile_s": compile_s,
+        "scale": float(m["loss_scale"]), "compile": compile_rec,
+        "compile_s": compile_rec["first"]["total_s"], "eval_compile_s": eval_compile_s,
         # Filled in at the end, after the timing rounds have run this step again.
         "compiles": lambda: {"step": compiles.of(step_name), "eval": compiles.of(eval_name)},
     }
@@ -469,10 +509,15 @@ def main(argv=None):
     ap.add_argument("--device", choices=["cpu", "cuda", "gpu"], default="cpu")
     ap.add_argument("--out", default="out", help="folder for the PNG")
     ap.add_argument("--json", default=None, help="also write every figure here")
-    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress (bars on a terminal, else a line per finished run)")
     ap.add_argument("--stall-timeout", type=float, default=None,
                     help="seconds without progress before the stacks are printed "
                     "(default 300 on a GPU, off on CPU; 0 turns it off)")
+    ap.add_argument("--compiler-options", default="default", metavar="PRESET|NAME=VALUE,...",
+                    help="XLA compiler options for every JAX compile: a preset from "
+                    f"{list(XLA_OPTION_SETS)} or xla_name=value pairs (default: XLA's own)")
+    add_cache_args(ap)
     cfg = ap.parse_args(argv)
     if cfg.quick:  # smaller defaults; what is given explicitly still wins
         ap.set_defaults(steps=60, batch=16, context=32, width=64, rounds=5, window=5)
@@ -492,6 +537,10 @@ def main(argv=None):
         cfg.stall_timeout = 300.0 if cfg.device == "cuda" else 0.0
     if cfg.stall_timeout < 0:
         ap.error(f"--stall-timeout must be >= 0, got {cfg.stall_timeout}")
+    try:
+        cfg.xla_options = compiler_options(cfg.compiler_options)
+    except ValueError as e:
+        ap.error(f"--compiler-options: {e}")
     frameworks = ["jax", "torch"] if cfg.framework == "both" else [cfg.framework]
     if cfg.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -514,10 +563,9 @@ def main(argv=None):
     WATCHDOG = Watchdog(cfg.stall_timeout)
     if "jax" in frameworks:
         # XLA's compile events per jitted function name: the benchmarks' counter.
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-        from _jax_compiles import CompileCounter
-
         compiles = CompileCounter()
+        cfg.compile_cache = cache_from_args(cfg)
+        print(f"JAX compilation cache: {cfg.compile_cache or 'off'}", flush=True)
     else:
         compiles = None
     results, timers = [], {}
@@ -536,7 +584,8 @@ def main(argv=None):
                 if cfg.json:  # so far, in case a later run hangs or runs out of time
                     write_json(cfg.json, {"partial": True, "device": cfg.device, "runs": [
                         {k: r[k] for k in ("framework", "mode", "eval", "skipped", "scale")}
-                        | ({"compile_s": r["compile_s"]} if "compile_s" in r else {})
+                        | ({k: r[k] for k in ("compile_s", "compile", "eval_compile_s")}
+                           if "compile" in r else {})
                         for r in results]})
         WATCHDOG.beat("the interleaved timing rounds")
         rates = time_interleaved(timers, cfg)
@@ -553,7 +602,8 @@ def main(argv=None):
           "training, the runs interleaved round-robin; speed vs fp32: median (min-max) of "
           "the per-round ratios, \"unreliable\" where they spread wider than half the median")
     if compiles is not None:
-        print("\nJAX compilations (each step compiled ahead of time, once):")
+        print("\nJAX compilations (each step compiled ahead of time, once; seconds: cold / "
+              f"warm from the cache, {cfg.compile_cache or 'off'}):")
         print(compile_summary(results))
     if cfg.framework == "both":
         print("\nCross-framework parity (same config, same data, same initial weights):")

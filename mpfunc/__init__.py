@@ -24,9 +24,15 @@ from _mpfunc_common.mixed_precision import (
     FP16TorchMixedPrecision,
 )
 from mpfunc._src.autocast import AutocastLists, autocast
+from mpfunc._src.checkpoint_convert import convert_checkpoint
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.distributed import all_finite
-from mpfunc._src.flax_policy import LinenPolicy, linen_policy, nnx_apply_policy, norm_classes
+from mpfunc._src.flax_policy import (
+    DeclaredDtypeWarning,
+    LinenPolicy,
+    linen_policy,
+    norm_classes,
+)
 from mpfunc._src.fp8 import Fp8DotState, Fp8Meta, fp8_dot, fp8_dot_state
 from mpfunc._src.fp8_convert import Fp8Function, convert_to_fp8
 from mpfunc._src.fp8_quantize import dequantize_fp8, quantize_fp8
@@ -38,6 +44,7 @@ from mpfunc._src.loss_scale import (
 )
 from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
+from mpfunc._src.nnx_policy import nnx_apply_policy
 from mpfunc._src.nonfinite_watch import NonfiniteWatch, watch_nonfinite
 from mpfunc._src.policy import (
     Policy,
@@ -64,6 +71,7 @@ __all__ = [
     "AmpSetup",
     "AutocastLists",
     "BF16MixedPrecision",
+    "DeclaredDtypeWarning",
     "FP8MixedPrecision",
     "FP16ApexMixedPrecision",
     "FP16NaiveMixedPrecision",
@@ -86,6 +94,7 @@ __all__ = [
     "cast_to_half",
     "chain",
     "clip_by_global_norm",
+    "convert_checkpoint",
     "convert_to_amp",
     "convert_to_fp8",
     "dequantize_fp8",

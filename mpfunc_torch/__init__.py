@@ -24,6 +24,7 @@ from _mpfunc_common.mixed_precision import (
 )
 from mpfunc_torch._src.autocast import checkpoint_context_fn
 from mpfunc_torch._src.booster import backward, boost
+from mpfunc_torch._src.checkpoint_convert import convert_checkpoint
 from mpfunc_torch._src.clipping import clip_grad_norm_, mark_replicated
 from mpfunc_torch._src.dcp import get_state_dict, set_state_dict
 from mpfunc_torch._src.fp8_convert import Fp8Linear, convert_to_fp8
@@ -56,6 +57,7 @@ __all__ = [
     "boost",
     "checkpoint_context_fn",
     "clip_grad_norm_",
+    "convert_checkpoint",
     "convert_to_amp",
     "convert_to_fp8",
     "dequantize_fp8",

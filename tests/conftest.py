@@ -3,14 +3,24 @@
 * 8 host CPU devices are forced *before* JAX is imported, for the sharding tests.
 * JAX uses strict dtype promotion, so an accidental f16 + f32 upcast is an error.
 * Warnings are errors (see ``filterwarnings`` in pyproject.toml).
+* Scripts the tests run keep JAX's compilation cache in a temporary folder.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The demo and the JAX benchmarks turn JAX's persistent compilation cache on (in
+# $MPFUNC_JAX_CACHE, else ~/.cache/mpfunc/jax): the scripts the tests run use a temporary
+# folder, removed when the test process ends.
+if "MPFUNC_JAX_CACHE" not in os.environ:
+    os.environ["MPFUNC_JAX_CACHE"] = tempfile.mkdtemp(prefix="mpfunc-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["MPFUNC_JAX_CACHE"], True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

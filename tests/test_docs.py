@@ -6,6 +6,7 @@ Building takes a minute on 2 cores, so these are slow tests (CI runs them, and
 in test_readme.py.
 """
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,11 @@ def test_a_missing_api_entry_is_caught(site, tmp_path):
                       if not line.startswith(b"mpfunc.dynamic_scale "))
     (broken / "objects.inv").write_bytes(b"\n".join(head) + b"\n" + zlib.compress(body))
     assert check_site.missing_api_entries(broken) == ["mpfunc.dynamic_scale"]
+    # A class mpfunc_torch shares with mpfunc needs its own anchor on the torch page.
+    page = broken / "api" / "mpfunc_torch.html"
+    page.write_text(page.read_text().replace('id="mpfunc_torch.FP16NaiveMixedPrecision"', ""))
+    assert check_site.missing_api_entries(broken) == ["mpfunc.dynamic_scale",
+                                                      "mpfunc_torch.FP16NaiveMixedPrecision"]
 
 
 @pytest.mark.slow
@@ -73,7 +79,7 @@ def test_the_readme_is_a_front_door():
     links = re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", text)
     assert links and all((ROOT / link).exists() for link in links), links
     for page in ("getting-started", "modes", "loss-scaling", "precision-report",
-                 "autocast-policies", "flax", "fp8", "pytorch", "scaling-out",
+                 "autocast-policies", "flax", "fp8", "pytorch", "trainers", "scaling-out",
                  "checkpoints", "migration", "known-limits"):
         assert f"docs/{page}.md" in links, page
 
@@ -99,3 +105,54 @@ def test_the_benchmark_plot_is_drawn_from_the_recorded_table(tmp_path):
     # The docs show the committed figures.
     for png in ("bench-step-peak.png", "compare_modes.png"):
         assert (ROOT / "docs" / png).stat().st_size > 10_000, png
+
+
+def first_unlinked_mentions(text: str, public: set[str]) -> list[str]:
+    """Public names a page writes as `mpfunc.X` / `mpfunc_torch.X` (inline code, outside
+    code blocks, headings and link texts) before any ``{py:...}`` role links them."""
+    linked, out = set(), []
+    in_fence = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        if in_fence or line.startswith("#"):
+            continue
+        for m in re.finditer(r"(\{py:\w+\})?(?<!`)`([^`]+)`(?!`)", line):
+            role, code = m.groups()
+            if role:
+                target = re.search(r"<([\w.]+)>$", code)
+                linked.add(target.group(1) if target else code.split("(")[0])
+                continue
+            name = re.match(r"(mpfunc_torch|mpfunc)\.\w+", code)
+            if (name and name.group(0) in public and name.group(0) not in linked
+                    and not line[:m.start()].endswith("[")):
+                out.append(f"`{code}`")
+                linked.add(name.group(0))  # one report per name
+    return out
+
+
+def test_each_guide_page_links_a_public_name_where_it_first_writes_it():
+    # A reader can follow a page's first `mpfunc.dynamic_scale` to its API entry: write
+    # {py:func}`mpfunc.dynamic_scale(...) <mpfunc.dynamic_scale>` there (or link an
+    # earlier bare mention); `make docs` checks that each such link resolves.
+    import mpfunc
+    import mpfunc_torch
+
+    public = {f"{m.__name__}.{n}" for m in (mpfunc, mpfunc_torch) for n in m.__all__}
+    unlinked = {page.name: found for page in sorted((ROOT / "docs").glob("*.md"))
+                if (found := first_unlinked_mentions(page.read_text(), public))}
+    assert unlinked == {}
+    # The check finds what it is meant to.
+    assert first_unlinked_mentions("See `mpfunc.dynamic_scale(adam)`, then "
+                                   "{py:func}`mpfunc.no_scale`, `mpfunc.no_scale`.\n",
+                                   public) == ["`mpfunc.dynamic_scale(adam)`"]
+
+
+def test_an_unresolved_api_link_is_caught(tmp_path):
+    # Sphinx renders a role whose target does not exist as plain code, without a warning.
+    (tmp_path / "page.html").write_text(
+        '<p><a class="reference internal" href="api/mpfunc.html#mpfunc.no_scale"><code '
+        'class="xref py py-func docutils literal"><span class="pre">no_scale</span></code></a>'
+        ' and <code class="xref py py-func docutils literal"><span class="pre">mpfunc.nope'
+        '</span></code></p>')
+    assert check_site.unresolved_api_links(tmp_path) == ["page.html: mpfunc.nope"]

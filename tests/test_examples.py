@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from own_code import is_project_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,9 +26,10 @@ def run(script, *args, timeout=600):
     out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--quick", *args],
                          capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
-    # Every jitted step of an example compiles once: nothing of ours is traced again.
+    # Every jitted step of an example compiles once: nothing of ours is traced again
+    # (ours by folder: in a clone named `mpfunc`, jax's own files are under it too).
     ours = [(f, where) for f, where in recompiled(out.stderr)
-            if where.startswith(str(ROOT)) and "site-packages" not in where]
+            if is_project_file(re.sub(r":\d+$", "", where))]
     assert not ours, ours
     return out.stdout
 
@@ -129,18 +131,40 @@ def test_compare_modes_compiles_each_jax_step_once(tmp_path):
     # would show here. The timing rounds and the memory figure use the same executable.
     import json
 
-    path = tmp_path / "cm.json"
+    path, cache = tmp_path / "cm.json", tmp_path / "cache"
     out = run("compare_modes.py", "--framework", "jax", "--modes", "torch,naive", "--steps",
               "6", "--rounds", "2", "--window", "2", "--quiet", "--out", str(tmp_path),
-              "--json", str(path))
-    rows = json.loads(path.read_text())["compare_modes"]["rows"]
+              "--json", str(path), "--compile-cache", str(cache), "--compiler-options",
+              "no_triton_gemm")
+    section = json.loads(path.read_text())["compare_modes"]
+    assert section["config"]["xla_options"] == {"xla_gpu_enable_triton_gemm": False}
+    rows = section["rows"]
     assert [r["mode"] for r in rows] == ["fp32", "torch", "naive"]
     for r in rows:
+        # The warm compile (from the persistent cache) is a measurement, not a recompile.
         assert r["compiles"] == {"step": 1, "eval": 1}, r
         assert r["compile_s"] > 0 and len(r["rates"]) == 2
         assert r["speed_vs_fp32"]["min"] <= r["speed_vs_fp32"]["median"]
-    assert "jax naive: train step compiled 1x" in out
+        # Cold (compiled, an entry written to the folder given), then warm (loaded).
+        c = r["compile"]
+        assert (c["first"]["cache"], c["warm"]["cache"]) == ("miss", "hit"), c
+        assert r["compile_cold_s"] == r["compile_s"] and r["compile_warm_s"] > 0
+        assert r["eval_compile_s"] > 0
+    assert any(f.name.startswith("jit_train_step_naive") for f in cache.iterdir())
+    assert f"JAX compilation cache: {cache.resolve()}" in out
+    assert "jax naive: train step compiled 1x (" in out
     assert "\x1b[" not in out  # no progress-bar escapes when stdout is not a terminal
+
+
+def test_compare_modes_names_bad_compiler_options():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "compare_modes.py"),
+                          "--compiler-options", "xla_gpu_autotune_level"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == 2
+    assert ("--compiler-options: compiler options 'xla_gpu_autotune_level': expected a "
+            "preset from ['autotune_0', 'default', 'no_fusion_autotuner', 'no_triton_gemm'] "
+            "or xla_name=value pairs") in out.stderr
 
 
 def test_compare_modes_watchdog_says_where_it_stalled(capfd):
@@ -158,6 +182,61 @@ def test_compare_modes_watchdog_says_where_it_stalled(capfd):
     err = capfd.readouterr().err
     assert "no progress for 0.3 s, in jax fp32, training step 7" in err
     assert "test_compare_modes_watchdog_says_where_it_stalled" in err  # the Python stack
+
+
+def compare_modes_module():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import compare_modes
+    finally:
+        sys.path.pop(0)
+    return compare_modes
+
+
+def test_compare_modes_prints_a_line_per_finished_run_off_a_terminal(capsys, monkeypatch):
+    # In a log (stderr not a terminal) a run that finishes says so on one line; --quiet
+    # says nothing; on a terminal the bar shows and no extra line is printed.
+    cm = compare_modes_module()
+    with cm.bar(3, "jax   naive", quiet=False) as pb:
+        for _ in range(3):
+            pb.update()
+    assert re.fullmatch(r"compare_modes\.py: jax naive done, 3/3 in \d+\.\d s\n",
+                        capsys.readouterr().err)
+    with cm.bar(3, "jax   naive", quiet=True) as pb:
+        pb.update()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with cm.bar(3, "jax   naive", quiet=False) as pb:
+        pb.update()
+    err = capsys.readouterr().err
+    assert "jax   naive" in err and "done" not in err  # tqdm's bar
+
+
+def test_compare_modes_help_and_docs_give_the_stall_timeout_default_of_the_code(
+        capsys, monkeypatch):
+    cm = compare_modes_module()
+    said = "default 300 on a GPU, off on CPU; 0 turns it off"
+    with pytest.raises(SystemExit):
+        cm.main(["--help"])
+    assert said in " ".join(capsys.readouterr().out.split())
+    docs = " ".join((ROOT / "docs" / "getting-started.md").read_text().split())
+    assert f"`--stall-timeout` seconds ({said})" in docs
+    # What the code does: the watchdog's timeout per device (stopped before any run).
+    timeouts = []
+
+    class Stop(Exception):
+        pass
+
+    def watchdog(timeout):
+        timeouts.append(timeout)
+        raise Stop
+
+    monkeypatch.setattr(cm, "Watchdog", watchdog)
+    monkeypatch.setattr(cm, "cuda_problems", lambda frameworks: [])  # as if on a GPU
+    for device in ("cuda", "cpu"):
+        with pytest.raises(Stop):
+            cm.main(["--quick", "--steps", "1", "--device", device, "--framework", "torch"])
+    assert timeouts == [300.0, 0.0]
 
 
 def test_compare_modes_table_flags_a_wide_spread():
@@ -234,3 +313,35 @@ def test_torch_fsdp_tp():
         params_kib, masters_kib = (float(c) for c in row.split("|")[2:4])
         assert masters_kib == pytest.approx(2 * params_kib, abs=0.15)
         assert masters_kib < whole / 2
+
+
+def _rows(out):
+    return {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in out.splitlines() if r.startswith("| ") and "---" not in r
+            and not r.startswith("| mode")}
+
+
+def test_lightning_amp():
+    out = run("lightning_amp.py")
+    rows = _rows(out)
+    assert sorted(rows) == ["apex O1", "apex O2", "bf16", "fp8", "naive", "torch"]
+    for name, (first, last, step, skipped, _scale, params, masters) in rows.items():
+        assert float(last) < float(first) - 1.0, name  # it learns
+        assert step == "skipped, params unchanged" and skipped == "1", name
+        # float32 masters of float16 params: twice their bytes (less the fp32 norm)
+        assert (float(masters) > 1.9 * float(params)) == (name in ("naive", "apex O2")), name
+    assert "resumed after the skip (naive): params as the uninterrupted run: True; " \
+           "scale 65536 vs 65536; skipped 1 vs 1" in out
+
+
+@pytest.mark.slow
+def test_hf_trainer_amp():
+    out = run("hf_trainer_amp.py")
+    rows = _rows(out)
+    assert sorted(rows) == ["apex O2", "bf16", "fp8", "naive", "torch"]
+    for name, (first, last, step, lrs, skipped, _scale) in rows.items():
+        assert float(last) < float(first) - 0.3, name
+        assert step == "skipped, params unchanged" and skipped == "1", name
+        before, at, after = lrs.split(" -> ")
+        assert float(before) > float(at) == float(after), name  # the schedule waits
+    assert "params as the uninterrupted run: True; scale 65536 vs 65536; skipped 1 vs 1" in out

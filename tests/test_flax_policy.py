@@ -1,4 +1,5 @@
-"""Tests for mpfunc._src.flax_policy: haiku's set_policy semantics for flax Linen and NNX.
+"""Tests for mpfunc._src.flax_policy and mpfunc._src.nnx_policy: haiku's set_policy
+semantics for flax Linen and NNX.
 
 The dtypes checked are the ones the matmuls really run in (operands of the jaxpr's
 ``dot_general`` / ``conv_general_dilated``), not only the outputs. haiku itself is the
@@ -15,6 +16,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from jaxpr_walk import all_eqns
 from lenient import adam
 
 import mpfunc
@@ -25,20 +27,8 @@ MATMULS = ("dot_general", "conv_general_dilated")
 
 def matmul_dtypes(fn, *args):
     """Operand dtypes of every matmul/conv in ``fn``'s jaxpr, in order, recursively."""
-    out = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name in MATMULS:
-                out.append(tuple(str(v.aval.dtype) for v in e.invars))
-            for p in e.params.values():
-                for sub in p if isinstance(p, tuple) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return out
+    return [tuple(str(v.aval.dtype) for v in e.invars) for e in all_eqns(fn, *args)
+            if e.primitive.name in MATMULS]
 
 
 def nnx_matmul_dtypes(model, x):
@@ -391,6 +381,77 @@ def test_linen_never_casts_non_param_collections_or_rngs():
     assert v["_overwrite_with_gradient"]["amax"].dtype == F32  # metadata: never cast
     y = amp.apply(v, jnp.ones((2, 3)), rngs={"dropout": jax.random.key(1)})
     assert y.dtype == F32
+
+
+# -- Linen: layers that declare a dtype ------------------------------------------------
+
+
+class Declared(nn.Module):
+    """flax's examples in miniature: every layer declares float32, but one."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(4, (3, 3), use_bias=False, dtype=jnp.float32)(x)
+        x = nn.BatchNorm(use_running_average=not train, dtype=jnp.float32)(x)
+        x = nn.Dense(4)(nn.relu(x).mean((1, 2)))  # no dtype: follows the policy
+        return nn.Dense(2, dtype=jnp.float32)(x)
+
+
+def test_linen_declared_dtypes_win_with_one_warning_naming_the_layers():
+    # They used to win silently: the policy was a no-op on flax's own examples.
+    amp = mpfunc.linen_policy(Declared(), "mixed_f16")
+    x = jnp.ones((2, 6, 6, 3))
+    with pytest.warns(mpfunc.DeclaredDtypeWarning) as record:
+        v = amp.init(jax.random.key(0), x)
+    (w,) = record
+    msg = str(w.message)
+    assert msg.startswith("linen_policy: 3 layer(s) declare a `dtype` other than")
+    for name in ("Conv_0 (Conv: float32, policy float16)",
+                 "BatchNorm_0 (BatchNorm: float32, policy float16)",
+                 "Dense_1 (Dense: float32, policy float16)", "override_declared=True"):
+        assert name in msg
+    assert "Dense_0" not in msg
+    fwd = lambda v, x: amp.apply(v, x, mutable=["batch_stats"])  # noqa: E731 - no warning
+    with jax.numpy_dtype_promotion("standard"):
+        # Conv_0 and Dense_1 in their declared float32 (Dense_0, with no policy of its
+        # own, has its float32 input not cast, so it promotes to float32 too)
+        assert matmul_dtypes(fwd, v, x) == [("float32", "float32")] * 3
+
+
+def test_linen_override_declared_applies_the_policy():
+    amp = mpfunc.linen_policy(Declared(), "mixed_f16", override_declared=True)
+    x = jax.random.normal(jax.random.key(1), (2, 6, 6, 3))
+    v = amp.init(jax.random.key(0), x)  # no warning: filterwarnings = error
+    fwd = lambda v, x: amp.apply(v, x, mutable=["batch_stats"])  # noqa: E731
+    with jax.numpy_dtype_promotion("standard"):
+        assert matmul_dtypes(fwd, v, x) == [("float16", "float16")] * 3
+        y, state = fwd(v, x)
+        ref, _ = Declared().apply(v, x, mutable=["batch_stats"])
+    assert y.dtype == F32 and state["batch_stats"]["BatchNorm_0"]["mean"].dtype == F32
+    np.testing.assert_allclose(y, ref, rtol=0.02, atol=0.02)
+    # the declared dtypes are back after the call (a plain flax apply still uses them)
+    assert matmul_dtypes(lambda v, x: Declared().apply(v, x, mutable=["batch_stats"]), v,
+                         x)[0] == ("float32", "float32")
+
+
+def test_linen_declared_dtype_matching_its_policy_is_not_reported():
+    # BatchNorm declared float32 under a float32 norm policy: nothing to say. The Conv and
+    # the last Dense still differ, and override_declared takes them to float16 only.
+    amp = mpfunc.linen_policy(Declared(), "mixed_f16", {nn.BatchNorm: "p=f32,c=f32,o=f16"})
+    with pytest.warns(mpfunc.DeclaredDtypeWarning, match=r"^linen_policy: 2 layer\(s\)"):
+        amp.init(jax.random.key(0), jnp.ones((2, 6, 6, 3)))
+    with pytest.raises(TypeError, match=r"`override_declared` must be True or False, got "
+                                        r"str: 'yes'"):
+        mpfunc.linen_policy(Declared(), "mixed_f16", override_declared="yes")
+
+
+def test_nnx_layers_declaring_a_dtype_take_the_policys():
+    # NNX has no declared-versus-default distinction (nnx.Embed fills in its param
+    # dtype): nnx_apply_policy sets every layer's `dtype`, so the policy always applies.
+    m = nnx.Sequential(nnx.Linear(3, 4, dtype=jnp.float32, rngs=nnx.Rngs(0)),
+                       nnx.Linear(4, 2, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    m = mpfunc.nnx_apply_policy(m, "mixed_f16")
+    assert nnx_matmul_dtypes(m, jnp.ones((2, 3))) == [("float16", "float16")] * 2
 
 
 # -- NNX ------------------------------------------------------------------------------

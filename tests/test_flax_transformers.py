@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from jaxpr_walk import all_eqns
 from lenient import adam
 
 import mpfunc
@@ -34,20 +35,11 @@ def dot_dtypes(fn, *args):
     """Counter of (lhs, rhs) dtypes of every dot_general in ``fn``'s jaxpr, recursively,
     and the set of dot algorithm presets seen."""
     count, presets = collections.Counter(), set()
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "dot_general":
-                count[tuple(str(v.aval.dtype) for v in e.invars)] += 1
-                if e.params.get("precision") is not None:
-                    presets.add(str(e.params["precision"]))
-            for p in e.params.values():
-                for sub in p if isinstance(p, tuple) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for e in all_eqns(fn, *args):
+        if e.primitive.name == "dot_general":
+            count[tuple(str(v.aval.dtype) for v in e.invars)] += 1
+            if e.params.get("precision") is not None:
+                presets.add(str(e.params["precision"]))
     return count, presets
 
 

@@ -230,8 +230,8 @@ def test_the_backward_keeps_fp8_copies_not_the_input(recipe, monkeypatch):
         assert fp8 == [] and any(t is x for t in saved)
     from mpfunc_torch._src import fp8 as fp8_mod
 
-    real, asked = fp8_mod.cast_pair, []
-    monkeypatch.setattr(fp8_mod, "cast_pair", lambda *a: asked.append(a[-1]) or real(*a))
+    real, asked = fp8_mod._quantize_pair, []
+    monkeypatch.setattr(fp8_mod, "_quantize_pair", lambda *a: asked.append(a[-1]) or real(*a))
     layer(x).sum().backward()
     with torch.no_grad():  # inference writes no transposed copies
         layer(x)

@@ -145,6 +145,40 @@ def test_import_mpfunc_torch_without_torch_names_the_extra():
     assert "pip install 'mpfunc[torch]'" in message
 
 
+TRAINERS = "pytorch_lightning,lightning,lightning_fabric,transformers,accelerate"
+
+
+def test_import_mpfunc_torch_loads_no_trainer():
+    # The trainers are imported only by their own modules, when asked for.
+    out = run_without("", "import sys\nimport mpfunc_torch\n", loaded_check(TRAINERS),
+                      "import mpfunc_torch.lightning\n",
+                      "assert 'pytorch_lightning' in sys.modules\n", "print('ok')")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("module, hidden, extra", [
+    ("mpfunc_torch.lightning", "pytorch_lightning,lightning", "lightning"),
+    ("mpfunc_torch.transformers", "transformers", "hf"),
+    ("mpfunc_torch.transformers", "accelerate", "hf"),
+])
+def test_a_trainer_module_without_its_packages_names_the_extra(module, hidden, extra):
+    out = run_without(hidden, f"""
+        import mpfunc_torch
+        try:
+            import {module}
+        except ModuleNotFoundError as e:
+            print(e.name); print(e)
+        else:
+            raise SystemExit("imported")
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    name, message = out.stdout.split("\n", 1)
+    assert name in hidden.split(",")
+    assert f"needs the `{extra}` extra" in message
+    assert f"pip install 'mpfunc[{extra}]'" in message
+
+
 def test_flax_helpers_without_flax_name_the_extra():
     out = run_without(FLAX_SIDE, """
         import mpfunc
@@ -206,7 +240,13 @@ def test_declared_extras_keep_the_frameworks_apart():
         assert {"jax", "optax"} <= extras[cuda] and not extras[cuda] & {"flax", "torch"}
     # dev installs everything the test suite imports.
     assert {"jax", "optax", "flax", "torch", "pytest", "hypothesis", "chex",
-            "transformers", "jmp", "dm-haiku"} <= extras["dev"]
+            "transformers", "jmp", "dm-haiku", "pytorch-lightning", "lightning",
+            "accelerate"} <= extras["dev"]
+    # The trainer extras bring their trainer and torch, and no JAX.
+    assert {"torch", "pytorch-lightning"} <= extras["lightning"]
+    assert {"torch", "transformers", "accelerate"} <= extras["hf"]
+    for trainers in ("lightning", "hf"):
+        assert not extras[trainers] & {"jax", "jaxlib", "optax", "chex", "flax"}
 
 
 def _closure(requirements: list[str]) -> tuple[set[str], set[str]]:
@@ -240,6 +280,8 @@ def _closure(requirements: list[str]) -> tuple[set[str], set[str]]:
     ("torch", {"jax", "jaxlib", "optax", "chex", "flax", "orbax-checkpoint", "tensorstore"}),
     ("jax", {"flax", "orbax-checkpoint", "tensorstore", "torch"}),
     ("flax", {"torch"}),
+    ("lightning", {"jax", "jaxlib", "optax", "chex", "flax"}),
+    ("hf", {"jax", "jaxlib", "optax", "chex", "flax"}),
 ])
 def test_installed_dependency_closure_of_each_extra(extra, forbidden):
     # Walks the real packages' own Requires-Dist, so a framework that comes in through a
@@ -268,9 +310,9 @@ def test_installed_metadata_matches_pyproject():
     if not dists:
         pytest.skip("mpfunc is not installed from this checkout")
     project = _pyproject()
-    declared = {r.replace(" ", "") for r in project["dependencies"]}
-    for reqs in project["optional-dependencies"].values():
-        declared |= {r.replace(" ", "") for r in reqs}
+    declared = {r.split(";")[0].replace(" ", "") for r in project["dependencies"]}
+    for reqs in project["optional-dependencies"].values():  # (environment markers aside)
+        declared |= {r.split(";")[0].replace(" ", "") for r in reqs}
     for dist in dists:
         assert sorted(dist.metadata.get_all("Provides-Extra")) == sorted(
             project["optional-dependencies"])
@@ -286,3 +328,33 @@ def test_license_and_project_metadata():
     assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
     assert "END OF TERMS AND CONDITIONS" in text and len(text) > 10_000
     assert project["authors"] and project["urls"]["Source"].startswith("https://")
+
+
+def test_ci_runs_every_step_in_a_clone_named_mpfunc(tmp_path):
+    # .ci/run from a checkout with another folder name runs its make targets in a clone
+    # named `mpfunc` (a user's layout, .venv inside), then removes that clone. `make` and
+    # `chromium` are stand-ins here: they say where they ran.
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    checkout, bin_dir, tmp = tmp_path / "checkout", tmp_path / "bin", tmp_path / "tmp"
+    bin_dir.mkdir(), tmp.mkdir()
+    log = tmp_path / "make.log"
+    (bin_dir / "make").write_text(f'#!/bin/sh\necho "$PWD $*" >> {log}\n')
+    (bin_dir / "chromium").write_text("#!/bin/sh\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    git = ["git", "-c", "user.name=ci", "-c", "user.email=ci@example.com"]
+    subprocess.run([*git, "clone", "--quiet", str(ROOT), str(checkout)], check=True)
+    # This checkout's .ci/run as it is now, committed in the copy (the clone takes HEAD).
+    (checkout / ".ci" / "run").write_text((ROOT / ".ci" / "run").read_text())
+    subprocess.run([*git, "-C", str(checkout), "commit", "--quiet", "--allow-empty", "-am",
+                    "ci"], check=True)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", TMPDIR=str(tmp))
+    out = subprocess.run(["bash", str(checkout / ".ci" / "run")], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    runs = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    assert [target for _, target in runs] == ["test", "test-slow", "lint", "docs"]
+    assert {Path(where).name for where, _ in runs} == {"mpfunc"}
+    assert {Path(where).parent.parent for where, _ in runs} == {tmp}
+    assert list(tmp.iterdir()) == []  # the clone is gone

@@ -14,6 +14,7 @@ from colossal_seed import REQUIRED, SEED_001_NAIVE, SEED_SIGNATURES, available_b
 from hypothesis import given
 from hypothesis import strategies as st
 from lenient import lenient
+from misspellings import MISSPELT
 
 import mpfunc
 from _mpfunc_common.amp_config import MODE_DEFAULTS, dtype_name, resolve_amp
@@ -215,7 +216,7 @@ JAX_SPELLINGS = [
      dict(mode="naive")],
     [dict(mixed_precision="fp16_apex", opt_level="O2", verbosity=0),
      dict(mixed_precision=mpfunc.FP16ApexMixedPrecision("O2", verbosity=0)),
-     dict(mode="apex", opt_level="O2", verbosity=0)],
+     dict(mode="apex", opt_level="O2", verbosity=0), dict(mode="apex-O2", verbosity=0)],
     [dict(mixed_precision="bf16"), dict(mixed_precision=mpfunc.BF16MixedPrecision()),
      dict(mode="bf16")],
     [dict(mixed_precision="fp16_naive", initial_scale=1024.0, hysteresis=3, clip_grad=1.0),
@@ -280,3 +281,24 @@ def test_jax_errors_name_the_argument():
     with pytest.raises(ValueError, match="`mixed_precision` must be one of \\[.fp16."):
         mpfunc.convert_to_amp(apply_fn, optax.sgd(0.1), mixed_precision="fp4")
     assert mpfunc.convert_to_amp(apply_fn, optax.sgd(0.1)).plan.mode == "torch"
+
+
+@pytest.mark.parametrize("how, message", MISSPELT)
+def test_jax_misspelt_modes_and_keys_name_the_closest_valid_one(how, message):
+    with pytest.raises(ValueError, match=message):
+        mpfunc.convert_to_amp(apply_fn, optax.sgd(0.1), **how)
+
+
+def test_apex_level_names_and_suggestions():
+    assert mode_and_config("APEX-o3", None, {}) == ("apex", {"opt_level": "O3"})
+    assert mode_and_config(None, "apex-O1", {"opt_level": "O1"}) == ("apex", {"opt_level": "O1"})
+    assert resolve_amp(*mode_and_config("apex-O2", None, {})) == resolve_amp(
+        "apex", {"opt_level": "O2"})
+    with pytest.raises(ValueError, match=r"`mixed_precision='apex-O1'` sets opt_level 'O1'"):
+        mode_and_config(None, "apex-O1", {"opt_level": None})
+    # No suggestion where nothing is close, and several misspelt keys each get theirs.
+    with pytest.raises(ValueError, match=r"got 'xyzzy'\. apex's levels"):
+        mode_and_config("xyzzy", None, {})
+    with pytest.raises(ValueError, match=r"\(did you mean `initial_scale` for `inital_scale`, "
+                                         r"`max_scale` for `max_scal`\?\)"):
+        resolve_amp("naive", {"inital_scale": 1.0, "max_scal": 2.0, "zzz": 0})

@@ -438,3 +438,33 @@ def test_empty_and_integer_leaves_are_never_named():
     assert [r["name"] for r in rows] == ["['e']", "['w']"]
     assert rows[0] == {"name": "['e']", "nonfinite": False, "amax": 0.0, "zero_fraction": 0.0,
                        "underflow_fraction": 0.0, "headroom_bits": math.inf}
+
+
+def test_nnx_optimizer_state_is_read_as_values_not_live_variables():
+    # nnx.Optimizer keeps its optax state in mutable NNX variables. The report and the
+    # metrics held those variables, so after `update` (a skip here: the scale halves)
+    # they showed the new scale, and headroom_bits was one bit off the step's.
+    from flax import nnx
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, mpfunc.dynamic_scale(adam(1e-3)), wrt=nnx.Param)
+    x = jnp.ones((4, 3))
+
+    def loss(m):  # the bias gradient is inf, the kernel's finite
+        return mpfunc.scale_loss(jnp.sum(m(x)) + jnp.sum(m.bias[...]) * jnp.inf,
+                                 opt.opt_state)
+
+    scaled = nnx.grad(loss)(model)
+    scale = float(mpfunc.loss_scale(opt.opt_state))
+    grads = jax.tree.map(lambda g: g / scale, scaled)
+    report = mpfunc.precision_report(grads, loss_scale=opt.opt_state)
+    metrics = mpfunc.scale_metrics(opt.opt_state)
+    before = report.rows()
+    want = mpfunc.precision_report(grads, loss_scale=scale).rows()
+    assert before == want and before[0]["nonfinite"] and not before[1]["nonfinite"]
+    opt.update(model, scaled)  # skipped: the scale halves
+    assert float(mpfunc.loss_scale(opt.opt_state)) == scale / 2
+    assert report.rows() == want  # the kernel's headroom_bits still the step's
+    assert float(report.loss_scale) == scale
+    assert float(metrics["loss_scale"]) == scale and int(metrics["skipped_steps"]) == 0
+    assert int(mpfunc.scale_metrics(opt.opt_state)["skipped_steps"]) == 1

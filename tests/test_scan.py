@@ -233,17 +233,22 @@ def test_apex_o2_norm_params_enter_control_flow_in_float32():
 
 @pytest.mark.parametrize("scan", [True, False])
 def test_apex_o2_runs_the_model_in_half_but_its_norms(scan):
-    # O2 is model.half() with float32 norms: softmax's exp and GELU's tanh run in
-    # float16, as in naive mode. Before, the model was traced with its float32 norm
-    # params, whose promotion cast every activation after the first norm to float32 in
-    # the traced program, and those casts were kept: exp and tanh ran in float32.
+    # O2 is model.half() with float32 norms: attention's reshapes and masking and GELU
+    # run in float16, as in naive mode. Traced with its float32 norm params, the model's
+    # own dtype promotion cast every activation after the first norm to float32 in the
+    # traced program: attention's transposes ran in float32 (and a scanned model could
+    # not be traced at all).
     def ops(name):
-        jaxpr = traced(*setup(name, scan=scan))
+        cfg, init = torch_init(CFG.layers, scan)
+        mode, config = MODES[name]
+        amp = mpfunc.convert_to_amp(jax_apply(types.SimpleNamespace(**vars(cfg), scan=scan)),
+                                    optax.adam(1e-3), mode=mode, **config)
+        params = amp.cast_params(jax.tree.map(jnp.asarray, init))
         out = collections.Counter()
 
         def walk(j):
             for eqn in j.eqns:
-                if eqn.primitive.name in ("exp", "tanh"):
+                if eqn.primitive.name in ("transpose", "split", "select_n", "tanh"):
                     out[eqn.primitive.name, str(eqn.outvars[0].aval.dtype)] += 1
                 for p in eqn.params.values():
                     for sub in p if isinstance(p, tuple | list) else (p,):
@@ -251,8 +256,8 @@ def test_apex_o2_runs_the_model_in_half_but_its_norms(scan):
                         if hasattr(sub, "eqns"):
                             walk(sub)
 
-        walk(jaxpr)
+        walk(traced(amp.apply_fn, (params, X)))
         return out
 
-    o2 = ops("apex-O2")  # (the loss's own exp is float32: the logits come back float32)
-    assert o2 == ops("naive") and o2["exp", F16] > 0 and o2["tanh", F16] > 0
+    o2 = ops("apex-O2")
+    assert o2 == ops("naive") and o2["transpose", F16] > 0 and ("transpose", F32) not in o2

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from misspellings import MISSPELT
 
 import mpfunc_torch
 from mpfunc_torch import (
@@ -63,7 +64,8 @@ SPELLINGS = [
      dict(mode="naive", initial_scale=1024.0, hysteresis=3)],
     [dict(mixed_precision="fp16_apex", opt_level="O2", verbosity=0),
      dict(mixed_precision=FP16ApexMixedPrecision("O2", verbosity=0)),
-     dict(mode=AMP_TYPE.APEX, opt_level="O2", verbosity=0)],
+     dict(mode=AMP_TYPE.APEX, opt_level="O2", verbosity=0),
+     dict(mode="apex-O2", verbosity=0)],  # the demo table's name for it
     [dict(mixed_precision="fp16", init_scale=256.0, growth_interval=2),
      dict(mixed_precision=FP16TorchMixedPrecision(256.0, growth_interval=2)),
      dict(mode="torch", init_scale=256.0, growth_interval=2)],
@@ -109,6 +111,12 @@ def test_spelling_errors():
         convert(mode="float16")
     with pytest.raises(ValueError, match="unknown config key"):  # a name keeps its mode's keys
         convert(mixed_precision="fp16", opt_level="O2")
+
+
+@pytest.mark.parametrize("how, message", MISSPELT)
+def test_misspelt_modes_and_keys_name_the_closest_valid_one(how, message):
+    with pytest.raises(ValueError, match=message):
+        convert(**how)
 
 
 def loop_parts(lr=0.1):

@@ -293,6 +293,28 @@ def test_a_compiled_whole_train_step_with_a_fused_optimizer(mode, cfg):
         assert torch.equal(a, b)
 
 
+def test_import_leaves_dynamo_onnx_and_dtensor_unloaded():
+    # Issue 36: `import mpfunc_torch` cost ~1.95x `import torch` when torch.compiler.disable
+    # at class definition loaded torch._dynamo (and torch.onnx), and the DTensor check
+    # loaded torch.distributed.tensor (and sympy). They load at first use instead; the
+    # step methods still run outside dynamo (the compiled-step tests above and below).
+    import subprocess
+    import sys
+
+    heavy = ["torch._dynamo", "torch.onnx", "torch.distributed.tensor", "sympy"]
+    code = ("import sys, mpfunc_torch; "
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    # The methods carry torch's lazy marker, which dynamo treats as disabled.
+    from mpfunc_torch._src.optimizer import AmpOptimizer
+
+    for name in ("step", "backward", "unscale_", "zero_grad", "state_dict"):
+        method = getattr(AmpOptimizer, name)
+        assert method.__code__.co_filename.endswith("_compile.py"), name
+
+
 def test_a_compiled_whole_step_still_refuses_step_before_backward():
     _, opt, _ = convert(make_model(), "torch", {})
 

@@ -260,3 +260,28 @@ def test_is_norm_errors():
         mpfunc_torch.convert_to_amp(net, opt, mode="apex", opt_level="O2", verbosity=0,
                                     is_norm="LayerNorm")
     assert net.fc.weight.dtype == torch.float32  # refused before anything was cast
+
+
+def test_a_converted_forward_keeps_its_signature():
+    # Code that reads the forward's arguments (HuggingFace's Trainer keeps only the batch
+    # columns it names) sees the same ones after conversion, for a class's forward and
+    # for an instance-level one.
+    import inspect
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, input_ids, labels=None, **kwargs):
+            return self.fc(input_ids)
+
+    net = Net()
+    expected = inspect.signature(net.forward)
+    mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1), mode="naive")
+    assert type(net.forward).__name__ == "_AmpForward"
+    assert inspect.signature(net.forward) == expected
+    plain = torch.nn.Linear(4, 2)
+    plain.forward = lambda x, scale=2.0: x * scale
+    mpfunc_torch.convert_to_amp(plain, torch.optim.SGD(plain.parameters(), lr=0.1), mode="torch")
+    assert list(inspect.signature(plain.forward).parameters) == ["x", "scale"]

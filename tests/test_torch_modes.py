@@ -1,5 +1,7 @@
 """Tests for mpfunc_torch._src.modes: convert_to_amp's modes, their config and errors."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -36,12 +38,21 @@ def test_apex_overrides_and_loss_scale_kinds():
     assert opt.plan.scale_config.min_scale == 2.0**10
 
 
-def test_apex_verbosity_prints_the_plan(capsys):
+def test_apex_verbosity_logs_the_plan_and_prints_nothing(capsys, caplog):
     net = make_model()
-    mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                                mode="apex", opt_level="O2")
-    out = capsys.readouterr().out
-    assert "mode=apex O2" in out and "master_weights=True" in out
+    with caplog.at_level("INFO", logger="mpfunc_torch"):
+        mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    mode="apex", opt_level="O2")
+    (record,) = caplog.records
+    assert record.name.startswith("mpfunc_torch.") and record.levelname == "INFO"
+    assert "mode=apex O2" in record.getMessage() and "master_weights=True" in record.getMessage()
+    assert capsys.readouterr().out == ""
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mpfunc_torch"):
+        net = make_model()
+        mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    mode="apex", opt_level="O2", verbosity=0)
+    assert caplog.records == []
 
 def _fused_sgd_moves_half_params():
     p = torch.nn.Parameter(torch.ones(1000, dtype=torch.float16))
@@ -174,7 +185,7 @@ class TestErrors:
             self.convert("apex", opt_level="O4")
 
     def test_typo_lists_valid_keys(self):
-        with pytest.raises(ValueError, match="unknown config key\\(s\\) \\['growth_intervall'\\] for mode 'torch'; valid keys for this mode: \\['backoff_factor'"):
+        with pytest.raises(ValueError, match="unknown config key\\(s\\) \\['growth_intervall'\\] for mode 'torch' \\(did you mean `growth_interval`\\?\\); valid keys for this mode: \\['backoff_factor'"):
             self.convert("torch", growth_intervall=10)
 
     def test_key_of_another_mode_is_an_error(self):
@@ -312,9 +323,11 @@ def test_a_step_builds_no_tensor_from_host_data_but_through_host_values(mode, cf
     # tensor built from Python data in a step, with the precision report, the forward
     # watch and the fused skip record on, must come from `host_values`. With a fused
     # optimizer nothing in the step reads a value from the device either.
-    import traceback
-
+    from own_code import is_library_module
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    def wrapper(module):  # torch's compile wrappers around its own optimizer code
+        return module in ("torch._compile", "torch._dynamo") or module.startswith("torch._dynamo.")
 
     class FromHost(TorchDispatchMode):
         def __init__(self):
@@ -327,12 +340,16 @@ def test_a_step_builds_no_tensor_from_host_data_but_through_host_values(mode, cf
                 self.reads += 1  # .item(), bool(), a boolean mask: a host read
             if func is torch.ops.aten.lift_fresh.default:
                 # Where the tensor was built: the innermost frame outside torch's
-                # wrappers (torch's own Adam builds its CPU step count this way).
-                frames = [f for f in traceback.extract_stack()[:-1]
-                          if not any(w in f.filename for w in ("_dynamo", "_compile.py"))]
-                caller = frames[-1]
-                if "mpfunc" in caller.filename and caller.name != "host_values":
-                    self.found.append(f"{caller.filename}:{caller.lineno}")
+                # wrappers (torch's own Adam builds its CPU step count this way). Ours
+                # by its module's name, not its path: a clone named `mpfunc` holds
+                # torch itself in `mpfunc/.venv/...`.
+                caller = sys._getframe(1)
+                while wrapper(caller.f_globals.get("__name__", "")):
+                    caller = caller.f_back
+                code = caller.f_code
+                if (is_library_module(caller.f_globals.get("__name__", ""))
+                        and code.co_name != "host_values"):
+                    self.found.append(f"{code.co_filename}:{caller.f_lineno}")
             return func(*args, **(kwargs or {}))
 
     net = make_model()

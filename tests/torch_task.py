@@ -110,3 +110,15 @@ def tiny_model(seed=0, n=6):
 def tiny_batch(seed=0, n=6):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(16, n, generator=g), torch.randn(16, 1, generator=g)
+
+
+def same(a, b):
+    """Whether two nested states (dicts, lists, tensors, numbers) are bit for bit equal,
+    tensors of the same dtype included."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b

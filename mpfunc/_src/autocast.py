@@ -13,7 +13,6 @@ import numpy as np
 
 from mpfunc._src.policy import _to_dtype
 from mpfunc._src.rewrite import (
-    INLINE,
     Literal,
     Rewriter,
     cast,
@@ -177,33 +176,47 @@ class _StripDotAlgorithms(Rewriter):
 
 
 class _HalfModelRules(_Rules):
-    """A half-precision model whose normalisation params stay float32 (apex O2).
+    """A half-precision model (naive, apex O2/O3) with float32 statistics.
 
     Matmuls run in the compute dtype (float32 accumulation), whatever upcast reached
-    them. An op that applies a float32 norm param (tagged ``True``, or derived from
-    tagged values only) to an activation runs in float32 and returns the compute dtype,
-    so a norm's output goes back to the compute dtype as on the torch side. Everything
-    else follows its inputs (no float32 op list: apex O2 patches no functions).
+    them, and the precision-sensitive ops (``FLOAT32_OPS``: the sums behind means,
+    variances, norms and softmax, exp/log, powers and roots) run in float32, as torch's
+    half kernels accumulate them. A value is *kept* in float32 when it is a float32 leaf
+    of the inputs (apex O2's norm params, mutable state such as ``batch_stats``) or a
+    float32 constant, a float32 op's result, or computed from kept values only. An op
+    where a kept value meets any other value (an activation, also one that a dtype
+    promotion in ``fn`` cast to float32) runs in float32 and returns the compute dtype,
+    so a norm's output goes back to it as on the torch side. Everything else follows
+    its inputs.
     """
 
-    def __init__(self, compute_dtype):
-        super().__init__(compute_dtype, AutocastLists(float32_ops=()))
-
     def tags(self, jaxpr, in_tags):
-        norm = {v: True for v, t in zip(jaxpr.invars, in_tags) if t}
+        kept = {v: True for v in jaxpr.constvars
+                if getattr(v.aval, "dtype", None) == np.dtype(jnp.float32)}
+        kept.update({v: True for v, t in zip(jaxpr.invars, in_tags) if t})
+
+        def tag(v):
+            return None if isinstance(v, Literal) else kept.get(v)
+
         for eqn in jaxpr.eqns:
             name, params = eqn.primitive.name, eqn.params
             ins = [v for v in eqn.invars if not isinstance(v, Literal)
                    and hasattr(v.aval, "dtype") and is_float(v.aval.dtype)]
-            if name in INLINE and hasattr(params.get("jaxpr"), "jaxpr"):
-                inner = params["jaxpr"].jaxpr
-                _, out = self.tags(inner, [norm.get(v) if not isinstance(v, Literal) else None
-                                           for v in eqn.invars])
-                norm.update({v: True for v, t in zip(eqn.outvars, out) if t})
-            elif ins and all(v in norm for v in ins) and not self._has_subjaxpr(params):
-                norm.update({v: True for v in eqn.outvars})  # a view of norm params
-        return norm, [norm.get(v) if not isinstance(v, Literal) else None
-                      for v in jaxpr.outvars]
+            inline = self.inlined(eqn)
+            if inline is not None:
+                cj, skip = inline
+                _, out = self.tags(cj.jaxpr, [tag(v) for v in eqn.invars[skip:]])
+                kept.update({v: True for v, t in zip(eqn.outvars, out) if t})
+            elif self._has_subjaxpr(params) or not ins:
+                continue
+            elif name in self.lists.float32_ops:
+                kept.update({v: True for v in eqn.outvars})  # a float32 statistic
+            elif name == "convert_element_type":
+                if kept.get(ins[0]) and params["new_dtype"] == np.dtype(jnp.float32):
+                    kept.update({v: True for v in eqn.outvars})
+            elif all(v in kept for v in ins):
+                kept.update({v: True for v in eqn.outvars})  # computed from kept values
+        return kept, [tag(v) for v in jaxpr.outvars]
 
     def edge_dtypes(self, eqn, invals, tags):
         # Norm params enter a scan (as consts or scanned inputs), a cond or a checkpoint
@@ -215,10 +228,13 @@ class _HalfModelRules(_Rules):
         return out
 
     def rule(self, eqn, invals, tags):
+        name = eqn.primitive.name
         floats = [(x, t) for x, t, v in zip(invals, tags, eqn.invars)
                   if is_float(jnp.result_type(x)) and not isinstance(v, Literal)]
-        if any(t for _, t in floats) and not all(t for _, t in floats):
-            # A norm param meets an activation: float32 in, the compute dtype out.
+        if (name not in self.lists.half_ops and name not in self.lists.float32_ops
+                and name != "convert_element_type" and any(t for _, t in floats)
+                and not all(t for _, t in floats)):
+            # A kept float32 value meets an activation: float32 in, the compute dtype out.
             params = dict(eqn.params)
             if is_float(params.get("preferred_element_type") or np.int32):
                 params["preferred_element_type"] = np.dtype(jnp.float32)
@@ -229,24 +245,24 @@ class _HalfModelRules(_Rules):
         return super().rule(eqn, invals, tags)
 
 
-def half_model(fn: Callable, compute_dtype: Any, is_norm: Callable[[tuple, Any], bool]):
-    """``fn(params, *args, **kwargs)`` under `_HalfModelRules`; ``is_norm(path, leaf)``
-    marks the float32 normalisation params among ``params``.
+def half_model(fn: Callable, compute_dtype: Any):
+    """``fn(*args, **kwargs)`` under `_HalfModelRules`: its float32 input leaves (apex
+    O2's norm params, mutable state) are the values kept in float32.
 
-    ``fn`` is traced with its float32 norm params seen in the compute dtype (a model
-    all in half precision), then evaluated on the float32 ones: a ``scan`` over layers
+    ``fn`` is traced with those leaves seen in the compute dtype (the model as
+    ``model.half()`` has it), then evaluated on the float32 ones: a ``scan`` over layers
     with float32 norm params would otherwise carry float32 activations out of a body
-    that takes half ones, which JAX refuses."""
+    that takes half ones, which JAX refuses. They enter scan, cond and checkpoint
+    bodies in float32 (`_HalfModelRules.edge_dtypes`)."""
 
     def in_tag(path, leaf):
-        return len(path) > 2 and path[0].idx == 0 and path[1].idx == 0 and bool(
-            is_norm(path[2:], leaf))
+        del path
+        return jnp.result_type(leaf) == np.dtype(jnp.float32)
 
     def trace_dtype(path, leaf):
-        float_norm = in_tag(path, leaf) and is_float(jnp.result_type(leaf))
-        return np.dtype(compute_dtype) if float_norm else None
+        return np.dtype(compute_dtype) if in_tag(path, leaf) else None
 
-    return _HalfModelRules(compute_dtype).wrap(fn, in_tag, trace_dtype)
+    return _HalfModelRules(compute_dtype, AutocastLists()).wrap(fn, in_tag, trace_dtype)
 
 
 def without_dot_algorithms(fn: Callable) -> Callable:

@@ -11,30 +11,45 @@ that has one (for its params), and its inputs and outputs are not cast.
 * Linen: params are cast by path to the compute dtype of the module that owns them
   before ``module.apply`` (so ``self.variables`` sees them in it too), and
   ``nn.intercept_methods`` casts the inputs and outputs of every method of a policied
-  module. A ``dtype=`` set on a layer still wins inside that layer.
-* NNX has no method interceptor and no param getter: each module's ``dtype`` (flax's
-  layers cast their params and inputs to it) and ``param_dtype`` are set, stored params
-  are cast to the param dtype, and a policied module's ``__call__`` casts its inputs and
-  output (its class is swapped for a subclass that does, cached per class and policy).
-  A custom module that reads a ``Param`` itself should give itself a ``dtype`` attribute
-  and cast to it, as flax's layers do.
+  module. A ``dtype=`` set on a layer still wins inside that layer, with a
+  `DeclaredDtypeWarning` naming it, unless ``override_declared=True``.
+* NNX (`nnx_policy`) has no method interceptor and no param getter: each module's
+  ``dtype`` (flax's layers cast their params and inputs to it) and ``param_dtype`` are
+  set, stored params are cast to the param dtype, and a policied module's ``__call__``
+  casts its inputs and output (its class is swapped for a subclass that does, cached per
+  class and policy). A custom module that reads a ``Param`` itself should give itself a
+  ``dtype`` attribute and cast to it, as flax's layers do.
 
 Only params are cast: batch statistics, RNG state and fp8 metadata keep their dtypes.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from _mpfunc_common.extras import require_extra
 from mpfunc._src.policy import Policy, cast_floating, get_policy
 
-__all__ = ["LinenPolicy", "linen_policy", "nnx_apply_policy", "norm_classes"]
+__all__ = ["DeclaredDtypeWarning", "LinenPolicy", "linen_policy", "norm_classes"]
+
+
+class DeclaredDtypeWarning(UserWarning):
+    """`linen_policy`: Linen layers declare a ``dtype`` other than their policy's compute
+    dtype, and flax computes them in the declared one (the message names them).
+
+    Pass ``override_declared=True`` to compute them in the policy's dtype, or build them
+    with ``dtype=None``.
+
+    Examples:
+      >>> import mpfunc
+      >>> issubclass(mpfunc.DeclaredDtypeWarning, UserWarning)
+      True
+    """
 
 
 def _flax(part: str, feature: str):
@@ -99,37 +114,67 @@ def _keys(path) -> tuple:
 class LinenPolicy:
     """A Linen module with per-class precision policies. Made by `linen_policy`."""
 
-    def __init__(self, module, policy, per_class):
+    def __init__(self, module, policy, per_class, override_declared=False):
         nn = _flax("linen", "mpfunc.linen_policy")
         if not isinstance(module, nn.Module):
             raise TypeError(f"`module` must be a flax.linen.Module, got {type(module).__name__}.")
+        if not isinstance(override_declared, bool):
+            raise TypeError("`override_declared` must be True or False, got "
+                            f"{type(override_declared).__name__}: {override_declared!r}.")
         self.module = module
         self.policy, self.per_class = _resolve(policy, per_class)
         self.root_policy = _own_policy(module, self.per_class) or self.policy
+        self.override_declared = override_declared
         self._owners: dict[tuple, Policy] = {}  # module path -> policy in effect there
         self._recorded: set = set()  # the `method`s whose module paths are recorded
+        self._declared: dict[tuple, str] = {}  # module path -> "Class: declared -> policy"
+        self._warned = False
 
     def _interceptor(self, cast: bool):
         stack = [self.root_policy]
         owners, overrides = self._owners, self.per_class
 
         def intercept(next_fun, args, kwargs, context):
-            own = _own_policy(context.module, overrides)
-            scope = context.module.scope
-            if scope is not None:
-                owners[tuple(scope.path)] = own or stack[-1]
-            if own is None:
-                return next_fun(*args, **kwargs)
-            stack.append(own)
+            module = context.module
+            own = _own_policy(module, overrides)
+            policy = own or stack[-1]
+            declared = _declared_dtype(module)
+            differs = declared is not None and declared != np.dtype(policy.compute_dtype)
+            if module.scope is not None:
+                path = tuple(module.scope.path)
+                owners[path] = policy
+                if differs:
+                    self._declared[path] = (f"{type(module).__name__}: {declared.name}, "
+                                            f"policy {np.dtype(policy.compute_dtype).name}")
+            override = cast and differs and self.override_declared
+            if override:  # the layer reads `self.dtype` when called: the policy's, now
+                object.__setattr__(module, "dtype", np.dtype(policy.compute_dtype))
+            if own is not None:
+                stack.append(own)
             try:
-                if not cast:
+                if own is None or not cast:
                     return next_fun(*args, **kwargs)
                 args, kwargs = own.cast_to_compute((args, kwargs))
                 return own.cast_to_output(next_fun(*args, **kwargs))
             finally:
-                stack.pop()
+                if own is not None:
+                    stack.pop()
+                if override:
+                    object.__setattr__(module, "dtype", declared)
 
         return intercept
+
+    def _warn_declared(self):
+        if self._declared and not self.override_declared and not self._warned:
+            self._warned = True
+            names = "; ".join(f"{'/'.join(p) or '<root>'} ({d})"
+                              for p, d in sorted(self._declared.items()))
+            warnings.warn(DeclaredDtypeWarning(
+                f"linen_policy: {len(self._declared)} layer(s) declare a `dtype` other than "
+                f"their policy's compute dtype, and flax computes them in the declared one: "
+                f"{names}. Pass `override_declared=True` to `mpfunc.linen_policy` to "
+                "compute them in the policy's dtype, or build them with `dtype=None`."),
+                stacklevel=3)
 
     def _cast_by_owner(self, params: Any, field: str) -> Any:
         def cast(path, x):
@@ -155,6 +200,7 @@ class LinenPolicy:
         with nn.intercept_methods(self._interceptor(cast=False)):
             variables = self.module.init(rngs, *args, **kwargs)
         self._recorded.add(_method_key(kwargs.get("method")))
+        self._warn_declared()
         variables = dict(variables)
         if "params" in variables:
             variables["params"] = self.cast_params(variables["params"])
@@ -175,6 +221,7 @@ class LinenPolicy:
 
             jax.eval_shape(record, variables)
             self._recorded.add(key)
+            self._warn_declared()
         variables = dict(variables)
         if "params" in variables:
             variables["params"] = self._cast_by_owner(variables["params"], "compute_dtype")
@@ -188,6 +235,17 @@ class LinenPolicy:
         return root.cast_to_output(out)
 
 
+def _declared_dtype(module) -> np.dtype | None:
+    """The ``dtype`` a layer was built with (flax's layers: None unless declared)."""
+    declared = getattr(module, "dtype", None)
+    if declared is None:
+        return None
+    try:
+        return np.dtype(declared)
+    except TypeError:  # a `dtype` attribute that is not a dtype
+        return None
+
+
 def _method_key(method):
     try:
         hash(method)
@@ -197,7 +255,8 @@ def _method_key(method):
 
 
 def linen_policy(module, policy: Any = "mixed_f16",
-                 per_class: Mapping[type, Any] | None = None) -> LinenPolicy:
+                 per_class: Mapping[type, Any] | None = None, *,
+                 override_declared: bool = False) -> LinenPolicy:
     """Wraps a Linen module so it and chosen module classes run under precision policies.
 
     haiku's ``set_policy`` semantics (see the module docstring): ``policy`` is the root
@@ -205,10 +264,18 @@ def linen_policy(module, policy: Any = "mixed_f16",
     params and computation in float32 and hands float16 on to the next layer, while the
     rest follows ``policy``. Classes are matched exactly first, then through their bases.
 
+    A layer built with a ``dtype`` (flax's examples declare ``dtype=jnp.float32`` on every
+    layer) computes in that dtype whatever its policy says: flax casts its inputs and
+    params to it. The first ``init`` or ``apply`` warns once (`DeclaredDtypeWarning`),
+    naming every layer whose declared ``dtype`` differs from its policy's compute dtype;
+    ``override_declared=True`` computes those layers in the policy's dtype instead.
+
     Args:
       module: the Linen module.
       policy: the root policy (a `Policy`, a `get_policy` string or a ``jmp.Policy``).
       per_class: module class -> policy, for the classes that differ.
+      override_declared: compute layers that declare a ``dtype`` in their policy's
+        compute dtype (default False: the declared dtype wins, with a warning).
 
     Returns:
       A `LinenPolicy` with ``init``, ``apply`` and ``cast_params``.
@@ -225,114 +292,4 @@ def linen_policy(module, policy: Any = "mixed_f16",
       ...  for x in e.invars]
       ['float16', 'float16']
     """
-    return LinenPolicy(module, policy, per_class)
-
-
-# -- NNX ------------------------------------------------------------------------------
-
-_POLICY_CLASSES: dict[tuple[type, Policy], type] = {}
-
-
-def _policy_class(base: type, policy: Policy) -> type:
-    """``base`` whose ``__call__`` casts inputs to compute and its result to output."""
-    key = (base, policy)
-    if key not in _POLICY_CLASSES:
-        def __call__(self, *args, **kwargs):
-            args, kwargs = policy.cast_to_compute((args, kwargs))
-            return policy.cast_to_output(base.__call__(self, *args, **kwargs))
-
-        __call__.__doc__, __call__.__wrapped__ = base.__call__.__doc__, base.__call__
-        namespace = {"__call__": __call__, "__module__": base.__module__,
-                     "__qualname__": f"{base.__qualname__}[{policy}]", "__doc__": base.__doc__,
-                     "_mpfunc_base": base, "_mpfunc_policy": policy}
-        extra = {"pytree": base._pytree__is_pytree} if hasattr(base, "_pytree__is_pytree") else {}
-        _POLICY_CLASSES[key] = type(base)(base.__name__, (base,), namespace, **extra)
-    return _POLICY_CLASSES[key]
-
-
-_ROUTED_ATTENTION: dict[str, Any] = {}
-
-
-def _attention_fns():
-    """(flax's default attention, the same routed past dot algorithm presets)."""
-    nnx = _flax("nnx", "mpfunc.nnx_apply_policy")
-    if "fn" not in _ROUTED_ATTENTION:
-        from mpfunc._src.autocast import without_dot_algorithms
-
-        default = nnx.dot_product_attention
-        stripped = without_dot_algorithms(default)
-
-        def dot_product_attention(query, key, value, *args, **kwargs):
-            # With `module` (sow_weights) or dropout flax takes its own einsum path, which
-            # has no preset; only the jax.nn path needs the route.
-            if kwargs.get("module") is not None:
-                return default(query, key, value, *args, **kwargs)
-            return stripped(query, key, value, *args, **kwargs)
-
-        dot_product_attention.__doc__ = (
-            "flax's `dot_product_attention` with float16 allowed under jit on CPU (its "
-            "F16_F16_F32 preset is replaced by float32 accumulation; see mpfunc README).")
-        _ROUTED_ATTENTION["fn"] = (default, dot_product_attention)
-    return _ROUTED_ATTENTION["fn"]
-
-
-def nnx_apply_policy(model, policy: Any = "mixed_f16",
-                     per_class: Mapping[type, Any] | None = None):
-    """Applies precision policies to an NNX model, in place, and returns it.
-
-    The same semantics as `linen_policy` (see the module docstring): ``model(x)`` gets
-    ``x`` in the root policy's compute dtype and returns its output dtype; each module
-    computes in its policy's compute dtype (its ``dtype``) with params stored in the
-    param dtype. On CPU, float16 ``nnx.MultiHeadAttention`` with flax's default
-    attention is routed past the ``F16_F16_F32`` preset that XLA:CPU refuses under jit.
-    Applying again with another policy replaces the previous one.
-
-    Args:
-      model: an ``nnx.Module``.
-      policy: the root policy.
-      per_class: module class -> policy, e.g. ``{nnx.LayerNorm: "p=f32,c=f32,o=bf16"}``.
-
-    Returns:
-      ``model``.
-
-    Examples:
-      >>> from flax import nnx
-      >>> import jax.numpy as jnp, mpfunc
-      >>> m = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.LayerNorm(4, rngs=nnx.Rngs(0)))
-      >>> m = mpfunc.nnx_apply_policy(m, "p=f32,c=bf16,o=f32", {nnx.LayerNorm: "f32"})
-      >>> m.layers[0].kernel[...].dtype, m.layers[0].dtype, m(jnp.ones((1, 3))).dtype
-      (dtype('float32'), dtype(bfloat16), dtype('float32'))
-    """
-    nnx = _flax("nnx", "mpfunc.nnx_apply_policy")
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"`model` must be a flax.nnx.Module, got {type(model).__name__}.")
-    base, overrides = _resolve(policy, per_class)
-    root = _own_policy(model, overrides) or base
-    default_attention, routed_attention = _attention_fns()
-    route = jax.default_backend() == "cpu"
-    effective: dict[tuple, Policy] = {}
-    for path, module in sorted(nnx.iter_modules(model), key=lambda pm: len(pm[0])):
-        keys = _keys(path)
-        own = root if not keys else _own_policy(module, overrides)
-        p = effective[keys] = own or _owner(keys[:-1], effective, root)
-        cls = getattr(type(module), "_mpfunc_base", type(module))
-        object.__setattr__(module, "__class__", cls if own is None else _policy_class(cls, own))
-        if hasattr(module, "dtype"):
-            module.dtype = jnp.dtype(p.compute_dtype)
-        if hasattr(module, "param_dtype"):
-            module.param_dtype = jnp.dtype(p.param_dtype)
-        if getattr(module, "attention_fn", None) in (default_attention, routed_attention):
-            f16 = np.dtype(p.compute_dtype) == np.dtype(jnp.float16)
-            module.attention_fn = routed_attention if f16 and route else default_attention
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Param):
-            dtype = _owner(_keys(path), effective, root).param_dtype
-            value = node.get_raw_value() if hasattr(node, "get_raw_value") else node.value
-            if isinstance(value, jax.Array | np.ndarray):
-                cast = cast_floating(value, dtype)
-                if cast is not value:
-                    if hasattr(node, "set_raw_value"):
-                        node.set_raw_value(cast)
-                    else:  # older flax
-                        node.value = cast
-    return model
+    return LinenPolicy(module, policy, per_class, override_declared)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -19,10 +20,14 @@ from mpfunc._src.distributed import check_axis_name
 from mpfunc._src.fp8_convert import fp8_mode_apply
 from mpfunc._src.loss_scale import _scale_transform
 from mpfunc._src.master_weights import master_weights
+from mpfunc._src.model_state import amp_io, map_leaves
 from mpfunc._src.policy import Policy
 from mpfunc._src.scale_rule import as_transformation
 
 __all__ = ["AmpSetup", "ZeroCountState", "convert_to_amp", "count_zeros", "is_norm_param"]
+
+# What a conversion resolved to (apex's verbosity, naive's verbose), at INFO level.
+_LOG = logging.getLogger(__name__)
 
 _JNP = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -81,7 +86,8 @@ class AmpSetup(NamedTuple):
         requires); use `mpfunc.scale_loss` / `mpfunc.scale_metrics` with its state.
       policy: the mode's `Policy` (params / compute / output dtypes).
       cast_params: casts float32 params to the mode's storage dtypes (norm params stay
-        float32 where the mode keeps norms in float32), into new buffers in every mode,
+        float32 where the mode keeps norms in float32; mutable state such as a flax
+        variables dict's ``batch_stats`` stays float32), into new buffers in every mode,
         so that a step donating them leaves the arrays passed in alive.
       plan: the resolved mode (shared with the torch side).
     """
@@ -94,17 +100,18 @@ class AmpSetup(NamedTuple):
 
 
 def _cast_tree(tree, dtype, keep: Callable | None):
-    """``tree``'s floating arrays in ``dtype`` (float32 where ``keep``), each a new buffer
-    (as the cast ones are), so that donating the result never deletes the caller's."""
-    def f(path, x):
+    """``tree``'s floating arrays in ``dtype`` (float32 where ``keep`` and for mutable
+    state), each a new buffer (as the cast ones are), so that donating the result never
+    deletes the caller's."""
+    def f(path, x, state):
         if not (isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)):
             return x
-        want = jnp.float32 if keep is not None and keep(path, x) else dtype
+        want = jnp.float32 if state or (keep is not None and keep(path, x)) else dtype
         if x.dtype != want:
             return x.astype(want)
         return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
 
-    return jax.tree_util.tree_map_with_path(f, tree)
+    return map_leaves(tree, f)
 
 
 def convert_to_amp(
@@ -144,10 +151,17 @@ def convert_to_amp(
     `mpfunc.autocast`; otherwise floating inputs are cast to the compute dtype. Outputs
     are cast to float32 (JAX has no criterion wrapper; this is its analogue). In O2 the
     params `is_norm` selects stay float32; an op applying one to an activation runs in
-    float32 and returns the compute dtype (a norm's output goes back to half precision,
-    as the torch side's norm hooks do). In O2, O3 and naive, matmuls run in the compute
-    dtype with float32 accumulation, whatever upcast reached them (a flax NNX layer's
-    ``dtype``, fixed when it is built, would otherwise keep them float32). In fp8 the dense matmuls
+    float32 and returns the compute dtype (a norm's output goes back to half precision, as
+    the torch side's norm hooks do). In O2, O3 and naive, matmuls run in the compute dtype
+    with float32 accumulation, whatever upcast reached them (a flax NNX layer's ``dtype``,
+    fixed when it is built, would otherwise keep them float32), and the precision-sensitive
+    ops (autocast's ``AutocastLists().float32_ops``: the sums behind means, variances, norms
+    and softmax) run in float32 whatever dtype a layer declares; where such a statistic
+    meets an activation the op runs in float32 and returns the compute dtype. Mutable state
+    (the collections of a flax variables dict other than ``"params"``, such as
+    ``batch_stats``, and NNX variables other than ``nnx.Param``) stays float32 into and out
+    of ``apply_fn`` and through ``cast_params``, in every mode; with flax's ``mutable=`` the
+    returned collections are float32. In fp8 the dense matmuls
     (`mpfunc.convert_to_fp8`) run in fp8 with ``recipe``; with delayed scaling
     ``apply_fn`` takes ``fp8_state=`` (``amp.apply_fn.init(params, *args)``), whose
     gradient is the next step's state; ``axis_name`` also MAX-reduces the per-tensor
@@ -157,7 +171,7 @@ def convert_to_amp(
       apply_fn: ``apply_fn(params, *args, **kwargs)``.
       optimizer: the optax optimizer, e.g. ``optax.adamw(1e-3)``.
       mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or ``"fp8"``; None means
-        ``"torch"``.
+        ``"torch"``. ``"apex-O2"`` is ``"apex"`` with ``opt_level="O2"`` (so for O0-O3).
         A Booster name or config object is accepted here too.
       mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
         ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, ``"fp8"``, or a config
@@ -212,7 +226,7 @@ def convert_to_amp(
             "optimizer per loss (`mpfunc.dynamic_scale(...)` each, with its own state). "
             "Remove `num_losses` (the torch side supports it with `loss_id=`).")
     if plan.verbose:  # apex's verbosity / naive's verbose, as on the torch side
-        print(f"mpfunc.convert_to_amp: {plan.describe()}")
+        _LOG.info("mpfunc.convert_to_amp: %s", plan.describe())
     f32 = jnp.float32
     if not plan.enabled:
         # Plain float32. The state still has a (unit) loss scale, so the same train step
@@ -236,26 +250,25 @@ def convert_to_amp(
     if plan.fp8_recipe is not None:  # bf16 autocast, dense matmuls in fp8
         wrapped = fp8_mode_apply(apply_fn, plan.fp8_recipe, compute, policy.cast_to_output,
                                  axis_name)
-    elif plan.autocast_dtype is not None:
-        inner_apply = autocast(apply_fn, compute_dtype=compute)
-
-        def wrapped(params, *args, **kwargs):
-            return policy.cast_to_output(inner_apply(params, *args, **kwargs))
-    elif compute != f32:
-        # A half model (naive, O3; O2 with float32 norms). Matmuls run in the compute
-        # dtype whatever upcast reached them (an NNX layer's `dtype` is fixed when it
-        # is built: nnx.Embed's float32 would otherwise make every later matmul float32),
-        # and in O2 each norm's output goes back to it (as the torch side's norm hooks
-        # do), instead of float32 norm params promoting everything after them to float32.
-        inner_apply = half_model(apply_fn, compute, keep or (lambda path, leaf: False))
-
-        def wrapped(params, *args, **kwargs):
-            args, kwargs = policy.cast_to_compute((args, kwargs))
-            return policy.cast_to_output(inner_apply(params, *args, **kwargs))
     else:
+        if plan.autocast_dtype is not None:
+            inner_apply = autocast(apply_fn, compute_dtype=compute)
+        elif compute != f32:
+            # A half model (naive, O3; O2 with float32 norms): matmuls in the compute
+            # dtype whatever upcast reached them (an NNX layer's `dtype` is fixed when it
+            # is built: nnx.Embed's float32 would otherwise make every later matmul
+            # float32), statistics in float32, and a norm's output back in the compute
+            # dtype (as the torch side's norm hooks do).
+            inner_apply = half_model(apply_fn, compute)
+        else:
+            inner_apply = apply_fn
+        # Autocast decides per op; the other modes cast the inputs. State (batch_stats,
+        # caches, NNX variables that are not params) stays float32 in and out.
+        cast_in, cast_out = amp_io(policy, cast_inputs=plan.autocast_dtype is None)
+
         def wrapped(params, *args, **kwargs):
-            args, kwargs = policy.cast_to_compute((args, kwargs))
-            return policy.cast_to_output(apply_fn(params, *args, **kwargs))
+            params, args, kwargs = cast_in(params, args, kwargs)
+            return cast_out(inner_apply(params, *args, **kwargs), kwargs)
 
     links = []
     if plan.log_num_zeros_in_grad:

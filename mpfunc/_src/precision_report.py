@@ -37,7 +37,7 @@ from mpfunc._src.distributed import (
     check_axis_name,
     unbound_axis_error,
 )
-from mpfunc._src.scale_state import LossScaleState, _find_states, _host_flags
+from mpfunc._src.scale_state import _find_states, _host_flags
 
 __all__ = ["NamedFlags", "PrecisionReport", "precision_report", "reduce_flags", "skip_paths",
            "skip_record", "skip_record_init"]
@@ -166,8 +166,6 @@ def _scale_array(loss_scale: Any) -> jax.Array:
     device arrays are not read (a host sync)."""
     if loss_scale is None:
         return jnp.ones((), _F32)
-    if isinstance(loss_scale, LossScaleState):
-        return loss_scale.loss_scale
     if isinstance(loss_scale, jax.Array):
         if loss_scale.shape != () or not jnp.issubdtype(loss_scale.dtype, jnp.floating):
             raise TypeError("`loss_scale` must be a floating scalar, got an array of dtype "
@@ -176,7 +174,7 @@ def _scale_array(loss_scale: Any) -> jax.Array:
     if isinstance(loss_scale, np.ndarray | np.generic) and np.shape(loss_scale) == ():
         loss_scale = loss_scale.item()
     if not isinstance(loss_scale, int | float) and len(found := _find_states(loss_scale)) == 1:
-        return found[0].loss_scale
+        return found[0].loss_scale  # read now: NNX's state is a mutable variable
     return jnp.asarray(check_loss_scale(loss_scale), _F32)
 
 
@@ -313,8 +311,9 @@ def precision_report(
     Args:
       grads: a pytree of gradients; non-floating leaves are left out.
       loss_scale: None (1), a number > 0, a float32 device scalar, the `LossScaleState`
-        or an optax state holding one. Only Python / NumPy numbers are checked: a device
-        scale is not read.
+        or an optax state holding one (``nnx.Optimizer``'s ``opt_state`` too: its value
+        at this call is kept, so a later ``update`` does not change the report). Only
+        Python / NumPy numbers are checked: a device scale is not read.
       dtype: the half-precision format the scaled gradients live in: ``jnp.float16``
         (default), ``jnp.bfloat16``, ``jnp.float32``, ``jnp.float8_e4m3fn``,
         ``jnp.float8_e5m2`` (or their names).

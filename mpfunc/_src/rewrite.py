@@ -136,18 +136,27 @@ class Rewriter:
 
         return eval_eqns(jaxpr, consts, args, apply)
 
-    def apply(self, eqn, invals, tags):
-        prim, params = eqn.primitive, dict(eqn.params)
-        name = prim.name
+    def inlined(self, eqn) -> tuple[ClosedJaxpr, int] | None:
+        """``(program, skip)`` when ``eqn`` is a call evaluated inline (nested ``jit``;
+        ``custom_jvp`` with `inline_custom_jvp`): its body runs on the equation's inputs
+        from ``skip`` on. None for any other equation."""
+        params = eqn.params
+        name = eqn.primitive.name
         if name in INLINE and isinstance(params.get("jaxpr"), ClosedJaxpr):
-            cj = params["jaxpr"]
-            outs = self.eval_jaxpr(cj.jaxpr, cj.consts, invals, tags)
-            return outs if prim.multiple_results else outs[0]
+            return params["jaxpr"], 0
         if (self.inline_custom_jvp and name in INLINE_CALL
                 and isinstance(params.get("call_jaxpr"), ClosedJaxpr)):
             cj = params["call_jaxpr"]
             n = params.get("num_consts", 0)
-            skip = n if not cj.jaxpr.constvars and len(cj.jaxpr.invars) < len(invals) else 0
+            skip = n if not cj.jaxpr.constvars and len(cj.jaxpr.invars) < len(eqn.invars) else 0
+            return cj, skip
+        return None
+
+    def apply(self, eqn, invals, tags):
+        prim, params = eqn.primitive, dict(eqn.params)
+        inline = self.inlined(eqn)
+        if inline is not None:
+            cj, skip = inline
             outs = self.eval_jaxpr(cj.jaxpr, cj.consts, invals[skip:], tags[skip:])
             return outs if prim.multiple_results else outs[0]
         if self._has_subjaxpr(params):

@@ -89,11 +89,21 @@ def _unscale(tree: Any, inv_scale: jax.Array | None) -> Any:
     return jax.tree_util.tree_map(f, tree)
 
 
+def _value(x: Any) -> Any:
+    """An array read from ``x`` now: ``nnx.Optimizer`` holds its state in mutable NNX
+    variables, which a later ``update`` overwrites in place. Arrays (immutable) and None
+    are returned as they are."""
+    return x if x is None or isinstance(x, jax.Array) else jnp.asarray(x)
+
+
 def _find_states(opt_state: Any) -> list[LossScaleState]:
+    """The `LossScaleState`s in ``opt_state``, their fields (but ``inner_state``) read as
+    values (`_value`)."""
     leaves = jax.tree_util.tree_leaves(
         opt_state, is_leaf=lambda x: isinstance(x, LossScaleState)
     )
-    return [x for x in leaves if isinstance(x, LossScaleState)]
+    return [x._replace(**{f: _value(getattr(x, f)) for f in x._fields if f != "inner_state"})
+            for x in leaves if isinstance(x, LossScaleState)]
 
 
 def _the_state(opt_state: Any) -> LossScaleState:
@@ -157,7 +167,9 @@ def scale_metrics(opt_state: Any, *, skip_leaves: Any = None) -> dict[str, Any]:
     ``consecutive_skips``, ``last_finite`` (and ``num_zeros_in_grad`` when the mode
     logs it).
 
-    Nothing is copied to the host; convert with ``float()``/``int()`` when you log.
+    Nothing is copied to the host; convert with ``float()``/``int()`` when you log. The
+    values are read at this call, also from ``nnx.Optimizer``'s mutable state (a later
+    ``update`` does not change them).
     ``consecutive_skips`` is optax's ``notfinite_count``: compare it with a limit at log
     time to stop a run that is stuck skipping (see the README, "Loss scaling").
 
@@ -199,7 +211,7 @@ def scale_metrics(opt_state: Any, *, skip_leaves: Any = None) -> dict[str, Any]:
         s.inner_state, is_leaf=lambda x: hasattr(x, "num_zeros_in_grad")
     ):
         if hasattr(leaf, "num_zeros_in_grad"):
-            out["num_zeros_in_grad"] = leaf.num_zeros_in_grad
+            out["num_zeros_in_grad"] = _value(leaf.num_zeros_in_grad)
     if skip_leaves is not None:
         from mpfunc._src.precision_report import skip_paths  # it imports this module
 

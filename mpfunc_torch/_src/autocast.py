@@ -1,5 +1,6 @@
-"""apex O1's fp32 function list, enforced on top of ``torch.autocast`` (also in the
-recompute of activation checkpointing: `checkpoint_context_fn`).
+"""apex O1's fp32 function list, enforced on top of ``torch.autocast``, its half-model
+counterpart for naive and apex O2 (`HalfModelFp32Functions`), and both in the recompute
+of activation checkpointing (`checkpoint_context_fn`).
 
 ``torch.autocast`` already runs many precision-sensitive ops in float32 on CUDA, but
 its lists differ by device (on CPU, fp16 autocast runs softmax, exp, layer_norm and sum
@@ -14,6 +15,18 @@ device: dynamo guards on the attributes of modes that are active when a compiled
 starts, and a frozenset of functions there breaks its guards (torch 2.13:
 ``NameError: ___get_torch_function_mode_stack_at``). The list is one module-level
 constant instead.
+
+The half-model modes (naive, apex O2) run no autocast: every param and activation is
+float16, so a loss computed inside ``forward`` (HuggingFace models given ``labels=``,
+nanoGPT) or a functional softmax / layer norm would compute in float16.
+`HalfModelFp32Functions` runs the precision-sensitive part of apex's list in float32
+there, around the converted model's forward: the losses and ``log_softmax`` return
+float32 (a loss, or the log-probabilities a loss reads), and the softmax and norm
+functions return the dtype of their half input, which the next layer computes in (a
+float32 result would promote the activations after it, and a float16 matmul refuses a
+float32 operand). The pointwise functions and plain reductions of apex's list are left
+out: with the result rounded back to float16 they would cost a float32 copy for the
+same value (torch's half kernels already compute them in float32).
 """
 
 from __future__ import annotations
@@ -26,13 +39,31 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from _mpfunc_common.amp_config import APEX_O1_FP32_FUNCTIONS
 
-__all__ = ["Fp32Functions", "fp32_callables", "checkpoint_context_fn"]
+__all__ = ["Fp32Functions", "HalfModelFp32Functions", "HALF_MODEL_FP32_FUNCTIONS",
+           "fp32_callables", "function_mode", "checkpoint_context_fn"]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+# naive / apex O2: computed in float32 whatever their inputs. The first group returns
+# float32 (losses; log-probabilities), the second the dtype of its half input.
+HALF_MODEL_FP32_FUNCTIONS = {
+    "float32 result": (
+        "log_softmax", "cross_entropy", "nll_loss", "binary_cross_entropy",
+        "binary_cross_entropy_with_logits", "poisson_nll_loss", "kl_div", "l1_loss",
+        "mse_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss",
+        "multilabel_soft_margin_loss", "multilabel_margin_loss", "multi_margin_loss",
+        "hinge_embedding_loss", "cosine_embedding_loss", "margin_ranking_loss",
+        "triplet_margin_loss",
+    ),
+    "input dtype result": (
+        "softmax", "softmin", "layer_norm", "rms_norm", "group_norm",
+        "local_response_norm", "normalize", "cosine_similarity",
+    ),
+}
 
 
 def fp32_callables(names=APEX_O1_FP32_FUNCTIONS) -> frozenset:
@@ -47,6 +78,8 @@ def fp32_callables(names=APEX_O1_FP32_FUNCTIONS) -> frozenset:
 
 
 _FP32_CALLABLES = fp32_callables()
+_HALF_MODEL_F32_OUT = fp32_callables(HALF_MODEL_FP32_FUNCTIONS["float32 result"])
+_HALF_MODEL_F32_IN = fp32_callables(HALF_MODEL_FP32_FUNCTIONS["input dtype result"])
 
 
 def _to_f32(x: torch.Tensor) -> torch.Tensor:
@@ -77,16 +110,76 @@ class Fp32Functions(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def function_mode(plan) -> str | None:
+    """The function mode a converted forward runs under: ``"o1"`` (apex O1's fp32 list
+    on top of autocast), ``"half"`` (`HalfModelFp32Functions`: the half-precision
+    models with float32 master weights, naive and apex O2; O3 stays pure float16) or
+    None."""
+    if not plan.enabled:
+        return None
+    if plan.apex_fp32_functions and plan.autocast_dtype is not None:
+        return "o1"
+    if (plan.cast_model_type in ("float16", "bfloat16") and plan.master_weights
+            and plan.autocast_dtype is None):
+        return "half"
+    return None
+
+
+def _first_half_dtype(tree: Any) -> torch.dtype | None:
+    for x in tree_leaves(tree):
+        if isinstance(x, torch.Tensor) and x.dtype in _HALF:
+            return x.dtype
+    return None
+
+
+class HalfModelFp32Functions(TorchFunctionMode):
+    """naive / apex O2: the precision-sensitive functions compute in float32.
+
+    Inside it, each function of `HALF_MODEL_FP32_FUNCTIONS` called with a half-precision
+    tensor gets its half tensors (input, weight, bias, class weights) cast to float32.
+    The losses and ``log_softmax`` return float32; the softmax and norm functions
+    return the dtype of their first half tensor (the activation's). A call that names
+    its own ``dtype`` (``softmax(x, -1, dtype=torch.float32)``) or ``out`` runs as
+    written. `convert_to_amp` enters it around the converted model's forward.
+
+    Examples:
+      >>> import torch
+      >>> x = torch.randn(4, 8, dtype=torch.float16)
+      >>> y = torch.randint(0, 8, (4,))
+      >>> with HalfModelFp32Functions():
+      ...     torch.nn.functional.cross_entropy(x, y).dtype, torch.softmax(x, -1).dtype
+      (torch.float32, torch.float16)
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        f32_out = func in _HALF_MODEL_F32_OUT
+        if not (f32_out or func in _HALF_MODEL_F32_IN) or kwargs.get("dtype") is not None \
+                or kwargs.get("out") is not None:
+            return func(*args, **kwargs)
+        half = _first_half_dtype((args, kwargs))
+        if half is None:
+            return func(*args, **kwargs)
+        args, kwargs = tree_map_only(torch.Tensor, _to_f32, (args, kwargs))
+        out = func(*args, **kwargs)
+        if f32_out:
+            return out
+        return tree_map_only(torch.Tensor,
+                             lambda t: t.to(half) if t.dtype == torch.float32 else t, out)
+
+
 def checkpoint_context_fn(model: torch.nn.Module) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` that makes activation checkpointing recompute in the mode.
 
     ``torch.utils.checkpoint.checkpoint`` restores ``torch.autocast`` for the recompute
     but no other torch function mode, so in apex O1 the ops on its fp32 list recompute
-    at autocast's precision, not in float32 as in the forward. The non-reentrant
+    at autocast's precision, not in float32 as in the forward, and in naive and apex O2
+    the functions of `HalfModelFp32Functions` recompute in float16. The non-reentrant
     checkpoint then raises ``CheckpointError`` (the recomputed tensors' dtypes differ);
     the reentrant one does not check. Pass this as ``context_fn`` (non-reentrant only,
-    torch's rule): the recompute runs under the fp32 list too, and training equals the
-    run without checkpointing bit for bit. In the other modes it adds nothing, so it can
+    torch's rule): the recompute runs under the mode's function mode too, and training
+    equals the run without checkpointing bit for bit. In the other modes it adds
+    nothing, so it can
     always be passed, also under ``torch.compile`` (which takes only selective-checkpoint
     contexts there: it gets ones that recompute everything, and the compiled graph
     recomputes with the mode's casts in it).
@@ -125,19 +218,24 @@ def checkpoint_context_fn(model: torch.nn.Module) -> Callable[[], tuple[Any, Any
         raise TypeError("`model` must be a model from convert_to_amp (the model it returned, "
                         f"or the module it converted), got an unconverted "
                         f"{type(module).__name__}.")
-    o1 = (isinstance(forward, _AmpForward) and forward.fp32_functions
-          and forward.autocast_dtype is not None)
-    return functools.partial(_checkpoint_contexts, forward.device_type if o1 else None)
+    kind = forward.function_mode if isinstance(forward, _AmpForward) else None
+    return functools.partial(_checkpoint_contexts, kind,
+                             forward.device_type if kind == "o1" else None)
 
 
-def _checkpoint_contexts(device_type: str | None) -> tuple[Any, Any]:
+def _checkpoint_contexts(kind: str | None, device_type: str | None) -> tuple[Any, Any]:
     if torch.compiler.is_compiling():
         # The compiled graph recomputes with the mode's casts already in it, and torch
         # takes only its selective-checkpoint modes here: recompute everything.
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         return create_selective_checkpoint_contexts(_recompute_all)
-    recompute = Fp32Functions(device_type) if device_type else contextlib.nullcontext()
+    if kind == "o1":
+        recompute = Fp32Functions(device_type)
+    elif kind == "half":
+        recompute = HalfModelFp32Functions()
+    else:
+        recompute = contextlib.nullcontext()
     return contextlib.nullcontext(), recompute
 
 

@@ -32,10 +32,13 @@ if TYPE_CHECKING:
     from mpfunc_torch._src.loss_scale import LossScaler
     from mpfunc_torch._src.optimizer import AmpOptimizer
 
-__all__ = ["save", "check", "load"]
+__all__ = ["FORMAT", "FROM_MODEL", "save", "check", "load", "master_names"]
 
 FORMAT = 1
 _KEYS = ("format", "mode", "opt_level", "optimizer", "scalers", "master_weights")
+# `master_weights` of a `convert_checkpoint` result for a mode with masters: they are
+# the float32 params of the model checkpoint converted with it (its load sets them).
+FROM_MODEL = "from the model's float32 checkpoint"
 # torch.amp.GradScaler.state_dict() (ShardedGradScaler's too), of a run moving from it.
 _GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
                      "_growth_tracker")
@@ -63,7 +66,21 @@ def save(opt: AmpOptimizer) -> dict[str, Any]:
         "optimizer": opt.optimizer.state_dict(),
         "scalers": [s.state_dict() for s in opt._scalers],
         "master_weights": [m.detach().clone() for _, m in opt._pairs] or None,
+        # the model's names for each master's param (every name of a tied one), so that
+        # `convert_checkpoint` can put the masters into the model's checkpoint
+        "master_names": master_names(opt),
     }
+
+
+def master_names(opt: AmpOptimizer) -> list[list[str]] | None:
+    ref = getattr(opt, "_model_ref", None)
+    model = ref() if ref is not None else None
+    if not opt._pairs or model is None:
+        return None
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return [names.get(id(p), []) for p, _ in opt._pairs]
 
 
 def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, dict]:
@@ -71,14 +88,17 @@ def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, di
     and the inner state_dict to load (with this optimizer's implementation flags)."""
     _check_header(state_dict, opt.plan)
     scalers = state_dict["scalers"]
-    if not isinstance(scalers, list | tuple) or len(scalers) != len(opt._scalers):
+    if scalers is not None and (not isinstance(scalers, list | tuple)
+                                or len(scalers) != len(opt._scalers)):
         n = len(scalers) if isinstance(scalers, list | tuple) else type(scalers).__name__
         raise ValueError(f"`state_dict['scalers']` must list {len(opt._scalers)} loss-scaler "
                          f"states (one per loss), got {n}.")
-    values = [s.check_state(sd, f"state_dict['scalers'][{i}]")
-              for i, (s, sd) in enumerate(zip(opt._scalers, scalers))]
-    masters = check_saved_masters(state_dict["master_weights"], opt._pairs,
-                                  "state_dict['master_weights']")
+    values = None if scalers is None else [  # None: this optimizer's own initial scale
+        s.check_state(sd, f"state_dict['scalers'][{i}]")
+        for i, (s, sd) in enumerate(zip(opt._scalers, scalers))]
+    saved = state_dict["master_weights"]
+    masters = None if isinstance(saved, str) and saved == FROM_MODEL else check_saved_masters(
+        saved, opt._pairs, "state_dict['master_weights']")
     _check_inner_state(state_dict["optimizer"], "state_dict['optimizer']")
     inner = _check_inner_fits(opt.optimizer, state_dict["optimizer"], "state_dict['optimizer']")
     return values, masters, inner
@@ -102,12 +122,13 @@ def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
     values, masters, inner = check(opt, state_dict)
     # `check` ran torch's own load on a scratch copy, so this one does not fail.
     opt.optimizer.load_state_dict(inner)
-    for s, v in zip(opt._scalers, values):
+    for s, v in zip(opt._scalers, values or ()):
         s._apply(v)
-    with torch.no_grad():
-        for (_, m), saved in zip(opt._pairs, masters):
-            m.copy_(saved)
-    copy_masters_to_model_(opt._pairs)
+    if masters is not None:  # else they come from the model's float32 checkpoint
+        with torch.no_grad():
+            for (_, m), saved in zip(opt._pairs, masters):
+                m.copy_(saved)
+        copy_masters_to_model_(opt._pairs)
 
 
 def grad_scaler_values(scaler: LossScaler, state: dict[str, Any], where: str) -> dict:
@@ -161,10 +182,13 @@ def _check_header(state_dict: Any, plan: AmpPlan) -> None:
         raise ValueError(f"`state_dict['format']` must be {FORMAT}, got "
                          f"{state_dict['format']!r}.")
     if (state_dict["mode"], state_dict["opt_level"]) != (plan.mode, plan.opt_level):
+        to = repr(plan.mode) + (f", opt_level={plan.opt_level!r}" if plan.opt_level else "")
         raise ValueError(
             f"`state_dict` is from mode {state_dict['mode']!r} (opt_level "
             f"{state_dict['opt_level']!r}); this optimizer runs mode {plan.mode!r} "
-            f"(opt_level {plan.opt_level!r})."
+            f"(opt_level {plan.opt_level!r}). Convert the checkpoint, model and optimizer "
+            "together: `model_sd, optim_sd = mpfunc_torch.convert_checkpoint(model_sd, "
+            f"optim_sd, {to})`, then load both."
         )
 
 

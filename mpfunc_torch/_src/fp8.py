@@ -1,14 +1,16 @@
 """The fp8 linear for PyTorch, with current or delayed scaling (the rule in
 `_mpfunc_common.fp8`).
 
-Quantisation itself is in `mpfunc_torch._src.fp8_quantize`. `fp8_linear` is an
+Quantisation itself is in `mpfunc_torch._src.fp8_fused` (eager: custom ops, Triton
+kernels on CUDA) on `mpfunc_torch._src.fp8_quantize`'s rule. `fp8_linear` is an
 ``autograd.Function``: inputs and weights in the recipe's forward format, output
 gradients in its backward format. Per tensor (tensorwise, delayed) each operand is read
 once for its amax and once by the cast, which also writes the transposed fp8 copy the
-backward GEMM needs; the backward keeps those fp8 copies, not the inputs. Under
-``torch.compile`` (``fullgraph=True`` works) inductor fuses each cast into one kernel,
-and delayed scaling's amax may share that pass (its scale comes from the history,
-not from this amax).
+backward GEMM needs (delayed scaling takes this step's amax in the cast's pass: its
+scale comes from the history); the backward keeps those fp8 copies, not the inputs.
+Rowwise and blockwise take each block's amax and cast it in one kernel. Under
+``torch.compile`` (``fullgraph=True`` works) the same rule is traced as torch ops and
+inductor fuses each cast into one kernel.
 
 On CUDA with compute capability >= 8.9 tensorwise and delayed GEMMs run on
 ``torch._scaled_mm`` (fast accumulation in the forward GEMM, as torchao), rowwise ones
@@ -25,14 +27,8 @@ from typing import Any
 import torch
 
 from _mpfunc_common.fp8 import Fp8Recipe
-from mpfunc_torch._src.fp8_quantize import (
-    all_reduce_max,
-    block_amax,
-    cast_pair,
-    dequantize_fp8,
-    quantize_with,
-    scale_from_amax,
-)
+from mpfunc_torch._src.fp8_fused import cast_current, cast_delayed, quantize_blocks
+from mpfunc_torch._src.fp8_quantize import dequantize_fp8
 from mpfunc_torch._src.fused import scaled_mm, scaled_mm_available, scaled_mm_fits
 
 __all__ = ["fp8_linear"]
@@ -51,27 +47,26 @@ class _Operand:
         self.q, self.scale, self.block = q, scale, block
 
 
-def _current_scale(x2d, role: str, recipe: Fp8Recipe, groups) -> torch.Tensor:
-    """Current scaling: the amax (one reduction over ``x2d``), then the scale."""
-    block = recipe.block(role)
-    amax = block_amax(x2d, block)
-    if block is None:
-        amax = all_reduce_max(amax, groups)
-    return scale_from_amax(amax, recipe.dtype(role), recipe.margin, recipe.power_of_2_scales,
-                           1.0)
-
-
-def _quantize(x2d, role: str, recipe: Fp8Recipe, groups) -> _Operand:
+def _quantize(x2d, role: str, recipe: Fp8Recipe) -> _Operand:
     """Row or tile scales (rowwise, blockwise): quantised along the last dim."""
-    scale = _current_scale(x2d, role, recipe, groups)
-    q = quantize_with(x2d, scale, recipe.block(role), recipe.dtype(role))
-    return _Operand(q.contiguous(), scale, recipe.block(role))
+    block = recipe.block(role)
+    q, scale = quantize_blocks(x2d, recipe.dtype(role), block, recipe.margin,
+                               recipe.power_of_2_scales)
+    return _Operand(q, scale, block)
 
 
-def _quantize_pair(x2d, scale, role: str, recipe: Fp8Recipe, transposed: bool):
+def _quantize_pair(x2d, layer, role: str, recipe: Fp8Recipe, groups, transposed: bool):
     """Per-tensor scales: the fp8 copy and, if asked, its transpose (both row-major, as
-    ``_scaled_mm`` wants them), from one read of ``x2d`` (`cast_pair`)."""
-    q, q_t = cast_pair(x2d, scale, recipe.dtype(role), transposed)
+    ``_scaled_mm`` wants them), from one read of ``x2d``; delayed scaling also records
+    this step's amax of ``x2d`` in ``layer``'s buffers."""
+    name = recipe.dtype(role)
+    if recipe.delayed:
+        q, q_t, scale = cast_delayed(x2d, getattr(layer, f"fp8_amax_history_{role}"),
+                                     getattr(layer, f"fp8_scale_{role}"), recipe, name, groups,
+                                     transposed)
+    else:
+        q, q_t, scale = cast_current(x2d, name, recipe.margin, recipe.power_of_2_scales,
+                                     groups, transposed)
     return _Operand(q, scale, None), (_Operand(q_t, scale, None) if transposed else None)
 
 
@@ -97,38 +92,6 @@ def _gemm(a: _Operand, b: _Operand, out_dtype, use_scaled_mm: bool, bias=None,
     return out.to(out_dtype)
 
 
-def _delayed_scale(layer, role: str, recipe: Fp8Recipe) -> torch.Tensor:
-    """This step's scale, from ``layer``'s history alone (never this step's amax, so the
-    cast need not wait for a reduction over the same tensor)."""
-    hist = getattr(layer, f"fp8_amax_history_{role}")
-    prev = getattr(layer, f"fp8_scale_{role}")
-    used = hist.max() if recipe.amax_reduction == "max" else hist[0]
-    fallback = torch.where(torch.isfinite(prev) & (prev > 0), prev, torch.ones_like(prev))
-    return scale_from_amax(used, recipe.dtype(role), recipe.margin, recipe.power_of_2_scales,
-                           fallback)
-
-
-def _record_amax(x: torch.Tensor, scale, layer, role: str, groups) -> None:
-    """Delayed scaling's bookkeeping: this step's amax of ``x`` into the history (if
-    finite), and ``scale`` as the previous scale; buffers updated in place."""
-    hist = getattr(layer, f"fp8_amax_history_{role}")
-    amax = block_amax(x, None)
-    if hasattr(amax, "full_tensor"):  # a DTensor operand (tensor parallelism): its amax
-        amax = amax.full_tensor()     # over the whole tensor, as the history records it
-    amax = all_reduce_max(amax, groups)
-    rolled = torch.cat([amax.reshape(1), hist[:-1]])
-    hist.copy_(torch.where(torch.isfinite(amax), rolled, hist))
-    getattr(layer, f"fp8_scale_{role}").copy_(scale)
-
-
-def _per_tensor_scale(x2d, layer, role, recipe, groups):
-    if recipe.delayed:
-        scale = _delayed_scale(layer, role, recipe)
-        _record_amax(x2d, scale, layer, role, groups)  # independent of the cast: fusable
-        return scale
-    return _current_scale(x2d, role, recipe, groups)
-
-
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, out_dtype, use_scaled_mm, grad_enabled):
@@ -140,14 +103,13 @@ class _Fp8Linear(torch.autograd.Function):
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             if per_tensor:
-                sx = _per_tensor_scale(x2, layer, "input", recipe, groups)
-                sw = _per_tensor_scale(weight, layer, "weight", recipe, groups)
                 # The backward's operands are the transposed fp8 copies, written now.
-                qx, qx_t = _quantize_pair(x2, sx, "input", recipe, need_dw)
-                qw, qw_t = _quantize_pair(weight, sw, "weight", recipe, need_dx)
+                qx, qx_t = _quantize_pair(x2, layer, "input", recipe, groups, need_dw)
+                qw, qw_t = _quantize_pair(weight, layer, "weight", recipe, groups, need_dx)
+                sx, sw = qx.scale, qw.scale
             else:
-                qx = _quantize(x2, "input", recipe, groups)
-                qw = _quantize(weight, "weight", recipe, groups)
+                qx = _quantize(x2, "input", recipe)
+                qw = _quantize(weight, "weight", recipe)
             y = _gemm(qx, qw, out_dtype, use_scaled_mm, bias, fast_accum=True)
         if per_tensor:  # fp8 residuals: what the backward GEMMs read
             ctx.save_for_backward(qx_t.q if qx_t else None, qw_t.q if qw_t else None, sx, sw)
@@ -172,8 +134,7 @@ class _Fp8Linear(torch.autograd.Function):
         with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
             if recipe.block("grad_output") is None:
                 qx_t, qw_t, sx, sw = ctx.saved_tensors
-                sg = _per_tensor_scale(g2, layer, "grad_output", recipe, groups)
-                qg, qg_t = _quantize_pair(g2, sg, "grad_output", recipe, need_dw)
+                qg, qg_t = _quantize_pair(g2, layer, "grad_output", recipe, groups, need_dw)
                 if need_dx:
                     dx = _gemm(qg, _Operand(qw_t, sw, None), ctx.x_dtype, use_mm)
                 if need_dw:
@@ -182,11 +143,11 @@ class _Fp8Linear(torch.autograd.Function):
                 # Each operand quantised with its contraction dim last, as its GEMM needs.
                 x, weight = ctx.saved_tensors
                 if need_dx:
-                    dx = _gemm(_quantize(g2, "grad_output", recipe, groups),
-                               _quantize(weight.t(), "weight", recipe, groups), ctx.x_dtype, use_mm)
+                    dx = _gemm(_quantize(g2, "grad_output", recipe),
+                               _quantize(weight.t(), "weight", recipe), ctx.x_dtype, use_mm)
                 if need_dw:
-                    dw = _gemm(_quantize(g2.t(), "grad_output", recipe, groups),
-                               _quantize(x.reshape(-1, x.shape[-1]).t(), "input", recipe, groups),
+                    dw = _gemm(_quantize(g2.t(), "grad_output", recipe),
+                               _quantize(x.reshape(-1, x.shape[-1]).t(), "input", recipe),
                                ctx.w_dtype, use_mm)
             db = g2.to(_F32).sum(0).to(ctx.w_dtype) if ctx.has_bias else None
         if dx is not None:

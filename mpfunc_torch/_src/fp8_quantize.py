@@ -192,15 +192,24 @@ def quantize_fp8(
     if block is not None and groups:
         raise ValueError("`process_group` applies to per-tensor scales only (`block=None`); "
                          "row and tile scales are local to the rows they scale.")
+    # The fused kernels (mpfunc_torch._src.fp8_fused, which builds on this module).
+    from mpfunc_torch._src import fp8_fused
+
+    x2 = _as_2d(x)
     if scale is None:
-        amax = all_reduce_max(block_amax(x, block), groups)
-        scale = scale_from_amax(amax, name, margin, power_of_2_scales, 1.0)
-    else:
-        scale = torch.as_tensor(scale, dtype=_F32, device=x.device)
-        want = scale_shape(tuple(x.shape), block)
-        if tuple(scale.shape) != want:
-            raise ValueError(f"`scale` must have shape {want} for this block, got "
-                             f"{tuple(scale.shape)}.")
+        if block is None:
+            q, _, scale = fp8_fused.cast_current(x2, name, margin, power_of_2_scales, groups,
+                                                 False)
+        else:
+            q, scale = fp8_fused.quantize_blocks(x2, name, block, margin, power_of_2_scales)
+        return q.reshape(x.shape), scale
+    scale = torch.as_tensor(scale, dtype=_F32, device=x.device)
+    want = scale_shape(tuple(x.shape), block)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"`scale` must have shape {want} for this block, got "
+                         f"{tuple(scale.shape)}.")
+    if block is None:
+        return fp8_fused.cast_given(x2, scale, name)[0].reshape(x.shape), scale
     return quantize_with(x, scale, block, name), scale
 
 

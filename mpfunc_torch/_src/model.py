@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from _mpfunc_common.amp_config import AmpPlan
-from mpfunc_torch._src.autocast import Fp32Functions
+from mpfunc_torch._src.autocast import Fp32Functions, HalfModelFp32Functions, function_mode
 from mpfunc_torch._src.sharding import cast_module_, is_dtensor
 
 __all__ = [
@@ -79,6 +80,15 @@ class _AmpForward:
         self.output_dtype = DTYPES[out] if out else None
         self.autocast_dtype = DTYPES[plan.autocast_dtype] if plan.autocast_dtype else None
         self.fp32_functions = plan.apex_fp32_functions
+        self.function_mode = function_mode(plan)  # 'o1', 'half' or None
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # The original forward's: code that reads it (HuggingFace's Trainer keeps only
+        # the batch columns named there) sees the same arguments after conversion.
+        if self.original is not None:
+            return inspect.signature(self.original)
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
     @staticmethod
     def needed(plan: AmpPlan) -> bool:
@@ -96,7 +106,10 @@ class _AmpForward:
         if self.input_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.input_dtype)
         # Plain nested `with` statements: dynamo traces them into one graph.
-        if self.autocast_dtype is None:
+        if self.function_mode == "half":
+            with HalfModelFp32Functions():
+                out = self._run(args, kwargs)
+        elif self.autocast_dtype is None:
             out = self._run(args, kwargs)
         elif self.fp32_functions:
             with torch.autocast(self.device_type, dtype=self.autocast_dtype), \

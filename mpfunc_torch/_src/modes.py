@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -12,12 +13,12 @@ from torch import nn
 
 from _mpfunc_common.amp_config import check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
+from mpfunc_torch._src.checkpoint_convert import guard_inner_load, refuse_optimizer_state
 from mpfunc_torch._src.chunked_step import check_step_chunks
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.fp8_convert import convert_to_fp8
 from mpfunc_torch._src.master_weights import (
     follow_model_loads,
-    has_stepped,
     keep_half_masters,
     make_masters,
 )
@@ -38,6 +39,7 @@ from mpfunc_torch._src.sharding import check_fsdp_units
 from mpfunc_torch._src.skip_record import attach_model
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
+_LOG = logging.getLogger(__name__)  # what a conversion resolved to, at INFO level
 
 
 class AMP_TYPE(str, enum.Enum):  # noqa: N801 - the name users know from Colossal-AI
@@ -191,13 +193,14 @@ def convert_to_amp(
             Keys: init_scale, growth_factor, backoff_factor, growth_interval, enabled,
             dtype.
     apex    apex's O0-O3 natively (no apex needed). O1: autocast + apex's fp32 list;
-            O2: float16 params, float32 norms, float32 master weights; O3: pure float16;
+            O2: float16 params, float32 norms, float32 master weights, losses, softmax
+            and norms in float32 (`HalfModelFp32Functions`); O3: pure float16;
             O0: float32. Dynamic levels use the ``"apex"`` preset. Keys: enabled,
             opt_level, cast_model_type, patch_torch_functions, keep_batchnorm_fp32,
             master_weights, loss_scale, cast_model_outputs, num_losses, verbosity,
             min_loss_scale, max_loss_scale.
-    naive   every param float16, float32 master weights, dynamic scale with the
-            ``"naive"`` preset (hysteresis 2). Keys: log_num_zeros_in_grad,
+    naive   every param float16, float32 master weights, losses, softmax and norms
+            in float32 (as O2), dynamic scale with the ``"naive"`` preset (hysteresis 2). Keys: log_num_zeros_in_grad,
             initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
             hysteresis, max_scale, clip_grad, verbose.
     bf16    ``torch.autocast`` to bfloat16, no loss scaling (non-finite steps are still
@@ -217,8 +220,9 @@ def convert_to_amp(
         one GradScaler): each skips or steps on its own gradients, and the scale updates
         once, after the last of them has stepped in the iteration.
       criterion: the loss function, wrapped to compute in float32; or None.
-      mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"`` or an `AMP_TYPE`; None
-        means ``"torch"``. A Booster name or config object is accepted here too.
+      mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"``, ``"fp8"`` or an `AMP_TYPE`;
+        None means ``"torch"``. ``"apex-O2"`` is ``"apex"`` with ``opt_level="O2"`` (so
+        for O0-O3). A Booster name or config object is accepted here too.
       mixed_precision: Colossal-AI Booster's spelling of the mode, instead of ``mode``:
         ``"fp16"`` (torch), ``"fp16_apex"``, ``"fp16_naive"``, ``"bf16"``, ``"fp8"``, or a config
         object such as ``FP16NaiveMixedPrecision(hysteresis=3)``. Each means exactly
@@ -353,9 +357,8 @@ def convert_to_amp(
         if target in HALF:
             refuse_data_parallel_wrapper(model, plan)
         _check_fsdp_units(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
-        if plan.master_weights and any(has_stepped(opt) for opt in optimizers):
-            raise ValueError("`optimizer` already has state; convert it to master "
-                             "weights before its first step.")
+        if plan.master_weights:
+            refuse_optimizer_state(optimizers)
         if not plan.master_weights:
             stepped.update((i, target) for i in params_cast(
                 model, plan.keep_norm_fp32, is_norm or is_norm_module) if i in stepped)
@@ -370,8 +373,8 @@ def convert_to_amp(
     if plan.enabled and plan.fp8_recipe is not None:
         convert_to_fp8(model, plan.fp8_recipe, process_group=amax_groups or None)
     check_step_chunks(step_chunks, plan, optimizers, masters)
-    if plan.verbose:
-        print(f"mpfunc_torch.convert_to_amp: {plan.describe()}")
+    if plan.verbose:  # apex's verbosity / naive's verbose: logged, never printed
+        _LOG.info("mpfunc_torch.convert_to_amp: %s", plan.describe())
     amp_model = AmpModel(model, plan, dev.type)
     first = AmpOptimizer(optimizers[0], plan, device=dev, masters=masters,
                          process_groups=groups, step_chunks=step_chunks)
@@ -382,6 +385,7 @@ def convert_to_amp(
                      shared=shared, step_chunks=step_chunks)
         for opt in optimizers[1:]
     ]
+    guard_inner_load(optimizers)  # our format, loaded into the optimizers we wrapped
     amp_model._load_guards = guard_model_loads(model)  # before the masters' load hooks
     attach_model(amp_opts, model)  # names for precision_report and skip_leaves
     for opt in amp_opts:

@@ -48,7 +48,12 @@ _profile_hook_step = torch.optim.Optimizer.profile_hook_step
 # torch.optim.Optimizer subclasses (its OptimizerVariable), so a compiled train step
 # would see a backward that never happened. Each call is one graph break; the model's
 # forward and backward stay compiled, and the step is the same foreach/fused kernels.
-_eager = torch.compiler.disable
+# torch.compiler.disable would import torch._dynamo (and with it torch.onnx) here, at
+# class definition: about as long again as `import torch`. torch's lazy form,
+# which torch.optim.Optimizer's own methods use, imports it at the first call instead;
+# dynamo skips its wrapper (torch._compile is on its skip list), so a traced call is a
+# graph break and the method runs with dynamo off, as with torch.compiler.disable.
+_eager = torch._disable_dynamo
 
 
 class AmpOptimizer(WrappedOptimizer):
@@ -441,10 +446,10 @@ class AmpOptimizer(WrappedOptimizer):
         Keys: ``format`` (1), ``mode``, ``opt_level``, ``optimizer`` (the inner optimizer's
         state_dict, over the master weights when there are any), ``scalers`` (one
         `LossScaler.state_dict` per loss: scale, growth and hysteresis trackers, skip
-        counters, and the config they were saved with) and ``master_weights`` (the
-        float32 masters, or None). Loading keeps the loading optimizer's own loss-scale
-        hyperparameters (a run may resume with another ``init_scale`` or
-        ``growth_interval``, as with GradScaler) and restores the state. The
+        counters, and the config they were saved with), ``master_weights`` (the float32
+        masters, or None) and ``master_names`` (their params' names in the model, for
+        `convert_checkpoint`). Loading keeps this optimizer's loss-scale hyperparameters
+        (a run may resume with another ``init_scale``, as with GradScaler). The
         ``register_state_dict_pre_hook``/``post_hook`` hooks run around it.
         """
         def save():
@@ -457,18 +462,18 @@ class AmpOptimizer(WrappedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores `state_dict`, all or nothing; also writes the masters into the model.
 
-        Everything is checked before anything is written: a checkpoint of another mode,
-        a missing key, a corrupt value (a non-finite, zero or negative scale, a counter
-        out of range, a non-float32 or non-finite master, a non-finite optimizer state,
-        a state of the wrong shape, a step count below 0, a param group without this
+        Everything is checked before anything is written: a checkpoint of another mode
+        (convert it: `convert_checkpoint`), a missing key, a corrupt value (a bad scale
+        or counter, a non-float32 or non-finite master, a non-finite optimizer state, a
+        state of the wrong shape, a step count below 0, a param group without this
         optimizer's hyperparameters, whatever torch's own load refuses) raises
         ``ValueError`` naming the key and leaves this optimizer as it was. The
         loss-scale hyperparameters and the inner optimizer's ``foreach`` / ``fused`` /
         ``capturable`` / ``differentiable`` flags stay this optimizer's own. A plain torch
-        optimizer's ``state_dict()`` (a run moving to mpfunc_torch) loads into the inner
-        optimizer with the same checks; the masters come from loading the model's
-        float32 checkpoint. Its ``torch.amp.GradScaler.state_dict()``, loaded the same
-        way, sets the loss scale and growth tracker (brought into this config's range).
+        optimizer's ``state_dict()`` (a run moving to mpfunc_torch), or a converted one,
+        loads with the same checks; its masters come from loading the model's float32
+        checkpoint. A ``torch.amp.GradScaler.state_dict()``, loaded the same way, sets
+        the loss scale and growth tracker (brought into this config's range).
         """
         def load(state_dict):
             checkpoint.load(self, state_dict)

@@ -9,6 +9,7 @@ params live on, so that an overflow in one rank's shard makes every rank skip.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -26,14 +27,14 @@ __all__ = [
     "local_bytes",
 ]
 
-try:  # torch.distributed is optional in torch builds
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - builds without distributed
-    DTensor = None  # type: ignore[assignment,misc]
 
 
 def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # A DTensor exists only once torch.distributed.tensor is imported (FSDP2 and
+    # parallelize_module import it): importing it here, for every user, would cost
+    # about a third of `import torch` (it loads sympy).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""`convert_checkpoint`: a run's params and optimizer state moved to another mode.
+
+The JAX twin of ``mpfunc_torch.convert_checkpoint``. A JAX state records no mode, so
+both setups are named: from a mode with float32 master weights (naive, apex O2; the
+masters live in the `MasterWeightsState` inside the optax state) to one without, the
+masters become the params; the other way, the float32 params become the masters. The
+state of the optimizer you passed to `convert_to_amp` (Adam's moments, its step count)
+runs on float32 values in every mode that keeps float32 params or masters, and carries
+over as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpfunc._src.master_weights import MasterWeightsState
+from mpfunc._src.modes import AmpSetup
+from mpfunc._src.scale_state import LossScaleState
+
+__all__ = ["convert_checkpoint"]
+
+
+def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) -> tuple[Any, Any]:
+    """``(params, opt_state)`` of ``source``'s setup, converted for ``target``'s.
+
+    From naive or apex O2 to a mode without master weights (torch, bf16, apex O0/O1/O3,
+    or a plain optax optimizer), the float32 masters become the params (cast as the
+    target stores them). The other way, the params in float32 become the masters. The
+    optimizer's own state (Adam's moments and count) carries over; a dynamic loss scale
+    carries over into a mode with a dynamic scale (its scale, growth tracker and
+    hysteresis brought into the target's range, as a torch resume does), and anywhere
+    else the target starts from its own initial state. The links `convert_to_amp` adds
+    (``clip_grad``, ``log_num_zeros_in_grad``) start afresh. Nothing passed in changes.
+
+    Args:
+      params: the params of the run, as ``source`` keeps them (``amp.cast_params``'s).
+      opt_state: its optimizer state (``source.optimizer.init(...)``, stepped).
+      source: the `AmpSetup` the run used, or the plain optax optimizer of a float32
+        run without mpfunc.
+      target: the `AmpSetup` to go on with (from `convert_to_amp` with the same optax
+        optimizer), or a plain optax optimizer (the result is then that optimizer's
+        state over float32 params).
+
+    Returns:
+      ``(params, opt_state)`` for ``target``.
+
+    Raises:
+      TypeError: ``source`` or ``target`` is neither an `AmpSetup` nor an optax
+        optimizer.
+      ValueError: ``opt_state`` is not ``source``'s, or the optimizer states of the two
+        do not fit (they were built with different optax optimizers).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, mpfunc
+      >>> f = lambda p, x: x @ p["w"]
+      >>> naive = mpfunc.convert_to_amp(f, optax.sgd(1e-4), mode="naive", initial_scale=1024.0)
+      >>> bf16 = mpfunc.convert_to_amp(f, optax.sgd(1e-4), mode="bf16")
+      >>> params = naive.cast_params({"w": jnp.ones((2, 2))})
+      >>> state = naive.optimizer.init(params)
+      >>> grads = {"w": jnp.full((2, 2), 1024.0, jnp.float16)}  # 1, scaled
+      >>> updates, state = naive.optimizer.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)
+      >>> p2, s2 = mpfunc.convert_checkpoint(params, state, naive, bf16)
+      >>> float(params["w"][0, 0]), float(p2["w"][0, 0])  # the float16 param, its master
+      (1.0, 0.9998999834060669)
+    """
+    truth, user, scale = _source(params, opt_state, source)
+    if _is_plain(target):
+        return truth, user
+    if not isinstance(target, AmpSetup):
+        raise TypeError("`target` must be an AmpSetup (from mpfunc.convert_to_amp) or an "
+                        f"optax optimizer, got {type(target).__name__}.")
+    plan = target.plan
+    new_params = target.cast_params(truth)
+    fresh = target.optimizer.init(new_params)  # the target's structure and first state
+    inner = fresh.inner_state
+    masters = plan.enabled and plan.master_weights
+    if masters:
+        inner = inner.inner_state
+    chained = plan.enabled and bool(plan.log_num_zeros_in_grad or plan.clip_grad)
+    user = _fit(user, inner[-1] if chained else inner)
+    if chained:
+        user = (*inner[:-1], user)
+    if masters:
+        user = MasterWeightsState(master_params=_copy(truth), inner_state=user)
+    state = fresh._replace(inner_state=user)
+    if scale is not None and plan.enabled and plan.scale_kind == "dynamic":
+        c = plan.scale_config
+        state = state._replace(
+            loss_scale=jnp.clip(scale.loss_scale, c.min_scale, c.max_scale).astype(jnp.float32),
+            growth_tracker=jnp.minimum(scale.growth_tracker, c.growth_interval - 1),
+            hysteresis_left=jnp.minimum(scale.hysteresis_left, c.hysteresis),
+            skipped_steps=scale.skipped_steps, consecutive_skips=scale.consecutive_skips,
+            last_finite=scale.last_finite)
+    return new_params, state
+
+
+def _is_plain(x: Any) -> bool:
+    return not isinstance(x, AmpSetup) and isinstance(x, optax.GradientTransformation)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _copy(tree: Any) -> Any:
+    """Float32 copies of the floating leaves (own buffers: a step may donate them)."""
+    return jax.tree_util.tree_map(
+        lambda x: jnp.array(x, jnp.float32, copy=True) if _is_float(x) else x, tree)
+
+
+def _source(params: Any, opt_state: Any, source: Any) -> tuple[Any, Any, Any]:
+    """The float32 truth of the params, the optax optimizer's state, and the
+    `LossScaleState` if ``source`` scales dynamically (else None)."""
+    if _is_plain(source):
+        return _copy(params), opt_state, None
+    if not isinstance(source, AmpSetup):
+        raise TypeError("`source` must be an AmpSetup (from mpfunc.convert_to_amp) or an "
+                        f"optax optimizer, got {type(source).__name__}.")
+    plan = source.plan
+    if not isinstance(opt_state, LossScaleState):
+        raise ValueError("`opt_state` must be the state of `source.optimizer` (a "
+                         f"LossScaleState at its root), got {type(opt_state).__name__}.")
+    inner, truth = opt_state.inner_state, None
+    if plan.enabled and plan.master_weights:
+        if not isinstance(inner, MasterWeightsState):
+            raise ValueError("`opt_state` holds no MasterWeightsState, but `source` ("
+                             f"{plan.describe()}) keeps master weights: is it this "
+                             "setup's state?")
+        truth, inner = _copy(inner.master_params), inner.inner_state
+    if plan.enabled and (plan.log_num_zeros_in_grad or plan.clip_grad):
+        inner = inner[-1]  # the optimizer after the links convert_to_amp chained before it
+    dynamic = plan.enabled and plan.scale_kind == "dynamic"
+    return truth if truth is not None else _copy(params), inner, (
+        opt_state if dynamic else None)
+
+
+def _fit(state: Any, like: Any) -> Any:
+    """``state`` checked against ``like`` (the target's fresh optimizer state): the same
+    tree and shapes; floating leaves take ``like``'s dtype."""
+    if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(like):
+        raise ValueError(
+            "the optimizer state in `opt_state` does not fit `target`'s optimizer (another "
+            "tree): build `target` with the same optax optimizer as `source` (a change of "
+            f"optimizer needs its own state mapping). Got {jax.tree_util.tree_structure(state)}"
+            f", expected {jax.tree_util.tree_structure(like)}.")
+
+    def leaf(path, x, y):
+        if hasattr(y, "shape") and np.shape(x) != np.shape(y):
+            raise ValueError(f"the optimizer state leaf {jax.tree_util.keystr(path)} has "
+                             f"shape {np.shape(x)}; `target`'s has {np.shape(y)}.")
+        return jnp.asarray(x, y.dtype) if _is_float(y) and _is_float(x) else x
+
+    return jax.tree_util.tree_map_with_path(leaf, state, like)
