@@ -9,7 +9,8 @@ jax's caches cleared before each. The variants are interleaved over ``--repeats`
 rounds (a busy spell on a shared machine slows one round's compiles alike) and each
 figure is the median over rounds; ``ratio`` is the deepest step's lower + compile time
 over the shallowest's. The scanned step also reports the ``dot_general`` count of its
-StableHLO, which does not grow with depth.
+StableHLO, which does not grow with depth. Unlike the other JAX benchmarks this one
+leaves JAX's persistent compilation cache off: every figure is a cold compile.
 
     python benchmarks/jax_compile_depth.py [--depths 2 12] [--repeats 3] [--modes fp32,fp8]
         [--width 128] [--json out.json]

@@ -62,7 +62,7 @@ def main(argv=None):
 
     r = jax_compile_depth.main([])
     results["jax_compile_depth"] = r
-    sections.append("## JAX: compile time against depth, scanned and unrolled (issue 36)\n\n"
+    sections.append("## JAX: compile time against depth, scanned and unrolled\n\n"
                     "Command: `python benchmarks/jax_compile_depth.py`\n\n"
                     f"{jax_compile_depth.to_markdown(r)}")
 
