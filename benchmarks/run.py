@@ -2,7 +2,8 @@
 
 Runs, in order: the JAX loss-scale overhead (plain Adam / mpfunc / lax.cond variant /
 manual jmp-style loop), what an exact skip costs in peak memory, compile time and step
-time (every scaling form and mode, three depths), the torch modes (fp32 / raw
+time (every scaling form and mode, three depths), the demo's JAX step compile time at 2
+and 12 layers (scanned and unrolled, every mode), the torch modes (fp32 / raw
 torch.amp / every mpfunc_torch mode), the precision report's cost per step, the torch
 master-weight step peak memory (bytes/param at the allocator), the unscale-and-check
 bandwidth, the JAX FSDP bytes per device and the torch FSDP2 bytes per rank, and (with
@@ -26,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fp8  # noqa: E402
+import jax_compile_depth  # noqa: E402
 import jax_loss_scale  # noqa: E402
 import jax_scale_cost  # noqa: E402
 import jax_sharding  # noqa: E402
@@ -57,6 +59,12 @@ def main(argv=None):
     sections.append("## JAX: what an exact skip costs (peak memory, compile, step)\n\n"
                     "Command: `python benchmarks/jax_scale_cost.py`\n\n"
                     f"{jax_scale_cost.to_markdown(r)}")
+
+    r = jax_compile_depth.main([])
+    results["jax_compile_depth"] = r
+    sections.append("## JAX: compile time against depth, scanned and unrolled\n\n"
+                    "Command: `python benchmarks/jax_compile_depth.py`\n\n"
+                    f"{jax_compile_depth.to_markdown(r)}")
 
     r = torch_modes.main(["--device", args.device])
     results["torch_modes"] = r

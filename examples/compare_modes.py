@@ -11,6 +11,10 @@ Speed is measured after training, in rounds that time a few more steps of every 
 to back (round-robin), so a busy spell on a shared machine slows all runs of a round
 alike: the table shows the median over rounds and the min-max of the per-round ratios.
 
+The JAX model runs its blocks under ``jax.lax.scan`` over params stacked along a layer
+axis, so its step compiles in about the same time at 12 layers as at 2 (BENCHMARKS.md);
+``--no-scan`` unrolls them in a Python loop instead.
+
 Each JAX run's train step is compiled once, ahead of time, with its params, state and
 batches already on the device; that one executable trains, is timed and gives the
 memory figure (evaluation compiles once more). The table's last lines say how often each
@@ -117,8 +121,14 @@ def torch_model(cfg):
     return GPT()
 
 
-def torch_to_jax_params(model):
-    """The torch init as a JAX params tree (Linear weights transposed)."""
+def torch_to_jax_params(model, stacked=True):
+    """The torch init as a JAX params tree (Linear weights transposed).
+
+    ``params["blocks"]`` is the blocks' params stacked along a leading layer axis (each
+    leaf ``[layers, ...]``, what `jax_apply`'s scanned model takes), or with
+    ``stacked=False`` a list of per-layer dicts (the unrolled model's)."""
+    import jax
+
     sd = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
 
     def lin(name):
@@ -134,12 +144,17 @@ def torch_to_jax_params(model):
         blocks.append({"ln1": ln(f"{p}.ln1"), "ln2": ln(f"{p}.ln2"), "qkv": lin(f"{p}.qkv"),
                        "proj": lin(f"{p}.proj"), "fc": lin(f"{p}.fc"), "out": lin(f"{p}.out")})
         i += 1
+    if stacked:
+        blocks = jax.tree.map(lambda *layers: np.stack(layers), *blocks)
     return {"tok": sd["tok.weight"], "pos": sd["pos"], "blocks": blocks,
             "ln_f": ln("ln_f"), "head": lin("head")}
 
 
 # --------------------------------------------------------------------------- JAX model
 def jax_apply(cfg):
+    """``apply(params, idx)``, the JAX model: ``cfg.scan`` (default True) runs the blocks
+    under ``jax.lax.scan`` over stacked block params (`torch_to_jax_params`'s
+    ``stacked=True``); False unrolls a Python loop over a list of per-layer dicts."""
     import jax
     import jax.numpy as jnp
 
@@ -151,22 +166,59 @@ def jax_apply(cfg):
     def dense(x, p):
         return x @ p["w"] + p["b"]
 
+    def block(x, blk, mask):
+        b, t, d = x.shape
+        h = cfg.heads
+        q, k, v = jnp.split(dense(layer_norm(x, blk["ln1"]), blk["qkv"]), 3, axis=-1)
+        q, k, v = (z.reshape(b, t, h, d // h).transpose(0, 2, 1, 3) for z in (q, k, v))
+        att = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(d // h)
+        att = jax.nn.softmax(jnp.where(mask, -jnp.inf, att), axis=-1)
+        x = x + dense((att @ v).transpose(0, 2, 1, 3).reshape(b, t, d), blk["proj"])
+        hidden = jax.nn.gelu(dense(layer_norm(x, blk["ln2"]), blk["fc"]), approximate=True)
+        return x + dense(hidden, blk["out"])
+
     def apply(params, idx):
-        b, t = idx.shape
-        d, h = cfg.width, cfg.heads
+        t = idx.shape[1]
         x = params["tok"][idx] + params["pos"][:t]
         mask = jnp.triu(jnp.ones((t, t), bool), 1)
-        for blk in params["blocks"]:
-            q, k, v = jnp.split(dense(layer_norm(x, blk["ln1"]), blk["qkv"]), 3, axis=-1)
-            q, k, v = (z.reshape(b, t, h, d // h).transpose(0, 2, 1, 3) for z in (q, k, v))
-            att = (q @ k.transpose(0, 1, 3, 2)) / math.sqrt(d // h)
-            att = jax.nn.softmax(jnp.where(mask, -jnp.inf, att), axis=-1)
-            x = x + dense((att @ v).transpose(0, 2, 1, 3).reshape(b, t, d), blk["proj"])
-            hidden = jax.nn.gelu(dense(layer_norm(x, blk["ln2"]), blk["fc"]), approximate=True)
-            x = x + dense(hidden, blk["out"])
+        if getattr(cfg, "scan", True):
+            # One block, compiled once: its params are stacked along a leading layer
+            # axis, and the scan slices one layer per iteration. The unrolled loop's
+            # compile time grows with depth (the 12-layer step took 4.4-4.75x the
+            # 2-layer one's on CPU); the scanned one's barely does (BENCHMARKS.md).
+            x, _ = jax.lax.scan(lambda x, blk: (block(x, blk, mask), None), x,
+                                params["blocks"])
+        else:
+            for blk in params["blocks"]:
+                x = block(x, blk, mask)
         return dense(layer_norm(x, params["ln_f"]), params["head"])
 
     return apply
+
+
+def jax_train_step(amp):
+    """``(step, loss_fn)`` of the JAX runs, for the `mpfunc.convert_to_amp` setup ``amp``:
+    ``step(params, state, x, y) -> (params, state, loss, loss_scale)``, one forward and
+    one backward, and ``loss_fn(params, x, y)`` (the mean cross-entropy)."""
+    import jax
+    import optax
+
+    import mpfunc
+
+    def loss_fn(p, x, y):
+        logits = amp.apply_fn(p, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def step(params, state, x, y):
+        def scaled_loss(p):  # one forward: the unscaled loss comes back as the aux
+            loss = loss_fn(p, x, y)
+            return mpfunc.scale_loss(loss, state), loss
+
+        grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+        updates, state = amp.optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss, mpfunc.loss_scale(state)
+
+    return step, loss_fn
 
 
 # ------------------------------------------------------------------------------- runs
@@ -327,16 +379,7 @@ def run_jax(name, cfg, data, evals, init_params, compiles):
     state = jax.device_put(amp.optimizer.init(params), device)
     data = jax.device_put(data, device)
 
-    def loss_fn(p, x, y):
-        logits = amp.apply_fn(p, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    def step(params, state, x, y):
-        grads, loss = jax.grad(lambda p: (mpfunc.scale_loss(loss_fn(p, x, y), state),
-                                          loss_fn(p, x, y)), has_aux=True)(params)
-        updates, state = amp.optimizer.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss, mpfunc.loss_scale(state)
-
+    step, loss_fn = jax_train_step(amp)
     step_name, eval_name = f"train_step_{name}", f"eval_loss_{name}"
     step.__name__ = step.__qualname__ = step_name
     loss_fn.__name__ = loss_fn.__qualname__ = eval_name
@@ -455,6 +498,9 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True,
+                    help="JAX: run the blocks under jax.lax.scan over stacked params "
+                    "(compile time nearly flat in depth); --no-scan unrolls a Python loop")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=7,
@@ -524,7 +570,8 @@ def main(argv=None):
         compiles = None
     results, timers = [], {}
     started = time.perf_counter()
-    init_params = torch_to_jax_params(torch_model(cfg))  # the JAX runs start from torch's init
+    # The JAX runs start from torch's init.
+    init_params = torch_to_jax_params(torch_model(cfg), stacked=cfg.scan)
     try:
         for name in modes:
             for fw in frameworks:

@@ -205,6 +205,21 @@ def test_torch_modes_in_process_peaks_need_cuda():
     assert "--peak in-process needs --device cuda" in proc.stderr
 
 
+def test_jax_compile_depth(tmp_path):
+    out = tmp_path / "r.json"
+    stdout = run_script("jax_compile_depth.py", "--depths", "1", "2", "--repeats", "1",
+                        "--modes", "fp32", "--width", "16", "--heads", "2", "--context", "8",
+                        "--batch", "2", "--json", str(out))
+    rows = {r["layout"]: r for r in json.loads(out.read_text())["jax_compile_depth"]["rows"]}
+    assert set(rows) == {"scan", "unrolled"}
+    for r in rows.values():
+        assert r["1"]["compile_s"] > 0 and r["2"]["lower_s"] > 0 and r["ratio"] > 0
+    # The scanned step's program is the same size at any depth; the unrolled one grows.
+    assert rows["scan"]["1"]["dots"] == rows["scan"]["2"]["dots"]
+    assert rows["unrolled"]["2"]["dots"] > rows["unrolled"]["1"]["dots"]
+    assert "| fp32 | scan |" in stdout
+
+
 def test_jax_sharding_with_the_compile_cache_off(tmp_path):
     env_cache = Path(os.environ["MPFUNC_JAX_CACHE"])
     before = set(env_cache.iterdir()) if env_cache.exists() else set()

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpfunc._src.model_state import map_leaves
 from mpfunc._src.policy import _to_dtype
 from mpfunc._src.rewrite import (
     Literal,
@@ -218,6 +219,15 @@ class _HalfModelRules(_Rules):
                 kept.update({v: True for v in eqn.outvars})  # computed from kept values
         return kept, [tag(v) for v in jaxpr.outvars]
 
+    def edge_dtypes(self, eqn, invals, tags):
+        # Norm params enter a scan (as consts or scanned inputs), a cond or a checkpoint
+        # in float32 (traced as the compute dtype: see `half_model`).
+        out = [None] * len(invals)
+        for i in self.changeable_inputs(eqn):
+            if tags[i] and is_float(jnp.result_type(invals[i])):
+                out[i] = jnp.result_type(invals[i])
+        return out
+
     def rule(self, eqn, invals, tags):
         name = eqn.primitive.name
         floats = [(x, t) for x, t, v in zip(invals, tags, eqn.invars)
@@ -238,13 +248,33 @@ class _HalfModelRules(_Rules):
 
 def half_model(fn: Callable, compute_dtype: Any):
     """``fn(*args, **kwargs)`` under `_HalfModelRules`: its float32 input leaves (apex
-    O2's norm params, mutable state) are the values kept in float32."""
+    O2's norm params, mutable state) are the values kept in float32.
+
+    ``fn`` is traced with its float32 params (not its state) seen in the compute dtype,
+    the model as ``model.half()`` has it, then evaluated on the float32 ones: a ``scan``
+    over layers with float32 norm params would otherwise carry float32 activations out
+    of a body that takes half ones, which JAX refuses. They enter scan, cond and
+    checkpoint bodies in float32 (`_HalfModelRules.edge_dtypes`). Mutable state is
+    traced as it is, so its updates stay float32 (`model_state`)."""
+    rules = _HalfModelRules(compute_dtype, AutocastLists())
+    f32, half = np.dtype(jnp.float32), np.dtype(compute_dtype)
 
     def in_tag(path, leaf):
         del path
-        return jnp.result_type(leaf) == np.dtype(jnp.float32)
+        return jnp.result_type(leaf) == f32
 
-    return _HalfModelRules(compute_dtype, AutocastLists()).wrap(fn, in_tag)
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        params = set()
+        map_leaves((args, kwargs), lambda path, x, state: None if state else
+                   params.add(jax.tree_util.keystr(path)))
+
+        def trace_dtype(path, leaf):
+            return half if in_tag(path, leaf) and jax.tree_util.keystr(path) in params else None
+
+        return rules.wrap(fn, in_tag, trace_dtype)(*args, **kwargs)
+
+    return wrapped
 
 
 def without_dot_algorithms(fn: Callable) -> Callable:

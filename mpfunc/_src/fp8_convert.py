@@ -3,7 +3,8 @@
 The JAX mirror of ``mpfunc_torch.convert_to_fp8``. A function is traced and its program
 re-evaluated op by op (as `mpfunc.autocast` does); every ``dot_general`` that multiplies
 an activation by a *parameter* (a leaf of the first argument, possibly transposed,
-reshaped or cast on the way) with one contraction dimension and no batch dimensions
+reshaped or cast on the way, or one layer of a stacked leaf: ``w[i]``, or a ``scan``'s
+slice, see `fp8_stacked`) with one contraction dimension and no batch dimensions
 becomes an `mpfunc.fp8_dot`. Attention's activation-by-activation products, norms,
 softmax and everything else run as written (or under autocast's rules in the fp8 AMP
 mode).
@@ -24,52 +25,66 @@ from mpfunc._src.autocast import AutocastLists, _Rules
 from mpfunc._src.distributed import check_axis_name
 from mpfunc._src.fp8 import Fp8DotState, fp8_dot, fp8_dot_state
 from mpfunc._src.fp8_quantize import AxisName
+from mpfunc._src.fp8_stacked import (
+    Level,
+    Sites,
+    TopLevel,
+    View,
+    follow,
+    index_state,
+    rewrite_scan,
+    stacked_state,
+)
 from mpfunc._src.rewrite import INLINE, Jaxpr, Literal, Rewriter
 
 __all__ = ["Fp8Function", "convert_to_fp8", "fp8_mode_apply"]
 
-# Ops that keep "this value is a parameter" (layout and dtype changes only; shard_map's
-# `pvary` marks a replicated parameter as varying before it meets a sharded activation).
-_LAYOUT = frozenset({"convert_element_type", "transpose", "reshape", "squeeze",
-                     "expand_dims", "copy", "copy_p", "optimization_barrier", "pvary",
-                     "pbroadcast"})
 # jax.checkpoint's primitive (its name moved between jax versions).
 _REMAT = frozenset({"remat2", "checkpoint", "remat"})
 
 
 class _Fp8Rewriter(_Rules):
     """Evaluates a jaxpr (the `rewrite.Rewriter` engine), turning dense dots into fp8
-    dots. A variable's tag is the path of the parameter it is a view of. Every other op
-    runs under autocast's rules (the AMP mode, ``compute_dtype`` given) or as written.
+    dots. A variable's tag is the `View` of the parameter it shows (`fp8_stacked`).
+    Every other op runs under autocast's rules (the AMP mode, ``compute_dtype`` given)
+    or as written.
     """
 
     def __init__(self, recipe, axis_name, state, compute_dtype):
         super().__init__(compute_dtype if compute_dtype is not None else np.float32,
                          AutocastLists())
         self.autocast = compute_dtype is not None
-        self.recipe, self.axis_name, self.state = recipe, axis_name, state
-        self.sites: list[str] = []
+        self.recipe, self.axis_name = recipe, axis_name
+        self.table = Sites()
+        self.level = (Level(None) if state is None else
+                      TopLevel(state, self.table, recipe.amax_history_len))
+
+    @property
+    def sites(self) -> list[str]:
+        return list(self.table.seen)
 
     def tags(self, jaxpr, in_tags):
-        path = {v: t for v, t in zip(jaxpr.invars, in_tags) if t is not None}
+        view = {v: t for v, t in zip(jaxpr.invars, in_tags) if t is not None}
         for eqn in jaxpr.eqns:
             name, params = eqn.primitive.name, eqn.params
-            ins = [None if isinstance(v, Literal) else path.get(v) for v in eqn.invars]
+            ins = [None if isinstance(v, Literal) else view.get(v) for v in eqn.invars]
             if name in INLINE and hasattr(params.get("jaxpr"), "jaxpr"):
                 _, out = self.tags(params["jaxpr"].jaxpr, ins)
-                path.update({v: t for v, t in zip(eqn.outvars, out) if t is not None})
-            elif name in _LAYOUT and ins and ins[0] is not None:
-                path[eqn.outvars[0]] = ins[0]
-        return path, [None if isinstance(v, Literal) else path.get(v) for v in jaxpr.outvars]
+                view.update({v: t for v, t in zip(eqn.outvars, out) if t is not None})
+            elif ins and (out := follow(eqn, ins[0])) is not None:
+                view[eqn.outvars[0]] = out
+        return view, [None if isinstance(v, Literal) else view.get(v) for v in jaxpr.outvars]
 
     @staticmethod
     def _sub_tags(n_in, tags):
-        # Control flow and custom-derivative bodies see no parameters: their matmuls
-        # stay as the rules have them (a parameter sliced in a loop is not a leaf).
+        # `while` and `cond` bodies and custom-derivative rules see no parameters: their
+        # matmuls stay as the rules have them. (`scan` bodies do: `rewrite_scan`.)
         return [None] * n_in
 
     def apply(self, eqn, invals, tags):
         params = eqn.params
+        if eqn.primitive.name == "scan" and any(t is not None for t in tags):
+            return rewrite_scan(self, eqn, invals, tags)
         if eqn.primitive.name in _REMAT and isinstance(params.get("jaxpr"), Jaxpr):
             return self._remat(eqn, invals, tags)
         return super().apply(eqn, invals, tags)
@@ -78,17 +93,20 @@ class _Fp8Rewriter(_Rules):
         """A ``jax.checkpoint`` / ``nn.remat`` region, rewritten inside and checkpointed
         again: its params keep their tags, and the delayed state it uses goes in as
         explicit inputs, so that its "gradient" (the new state) flows out."""
-        jaxpr, outer = eqn.params["jaxpr"], self.state
-        leaves, tree = jax.tree_util.tree_flatten(outer) if outer is not None else ([], None)
+        jaxpr, outer = eqn.params["jaxpr"], self.level
+        states = outer.states or {}
+        keys = list(states)
+        leaves, tree = jax.tree_util.tree_flatten([states[k] for k in keys])
         n = len(invals)
 
         def body(*args):
-            if tree is not None:
-                self.state = jax.tree_util.tree_unflatten(tree, args[n:])
+            inner = jax.tree_util.tree_unflatten(tree, args[n:])
+            self.level = outer.child(dict(zip(keys, inner)) if outer.states is not None
+                                     else None)
             try:
                 return self.eval_jaxpr(jaxpr, (), args[:n], tags)
             finally:
-                self.state = outer
+                self.level = outer
 
         run = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
                              policy=eqn.params.get("policy"))
@@ -115,22 +133,15 @@ class _Fp8Rewriter(_Rules):
         if w.ndim != 2 or not all(jnp.issubdtype(v.dtype, jnp.floating) for v in invals):
             return None
         cw, cx = (lc, rc)[w_idx][0], (lc, rc)[1 - w_idx][0]
-        path = tags[w_idx]
-        key = path
-        n = 1
-        while key in self.sites:
-            key, n = f"{path}#{n}", n + 1
-        self.sites.append(key)
+        view = tags[w_idx]
+        if view.pending is not None:  # w[i:i + 1] of a 2-D kernel: a row, not a layer
+            return None
+        key = self.table.key(view.path, *view.site())
         state = None
         if self.recipe.delayed:
-            if self.state is None:  # discovery (init), or a call without state
-                state = fp8_dot_state(self.recipe)
-            elif key not in self.state:
-                raise ValueError(f"`fp8_state` has no entry {key!r}; its keys are "
-                                 f"{sorted(self.state)}. Make it with `.init` on the same "
-                                 "function and arguments.")
-            else:
-                state = self.state[key]
+            level_state = self.level.get(key, view.origin)
+            state = (fp8_dot_state(self.recipe) if level_state is None  # discovery (init)
+                     else index_state(level_state, view))
         out_dtype = self.compute if self.autocast else eqn.outvars[0].aval.dtype
         w_kn = w if cw == 0 else w.T
         y = fp8_dot(jnp.moveaxis(x, cx, -1), w_kn, self.recipe, state,
@@ -157,7 +168,7 @@ class Fp8Function:
         def in_tag(path, leaf):  # ((params, *args), kwargs): a leaf of params, by its path
             del leaf
             if len(path) >= 2 and path[0].idx == 0 and path[1].idx == 0:
-                return jax.tree_util.keystr(path[2:], simple=True, separator="/")
+                return View(jax.tree_util.keystr(path[2:], simple=True, separator="/"))
             return None
 
         out = rewriter.wrap(self.fn, in_tag)(params, *args, **kwargs)
@@ -182,7 +193,13 @@ class Fp8Function:
         """The converted matmuls, named by the path of their parameter (traced only).
 
         Arguments that are not arrays (flax's ``train=False``) stay static, as in a call;
-        no amax is reduced, so it runs outside ``shard_map`` too."""
+        no amax is reduced, so it runs outside ``shard_map`` too. A kernel sliced from
+        stacked layer params (``w[i]``, or a ``scan`` over them) is one site for all its
+        layers."""
+        return list(self._stacks(params, args, kwargs))
+
+    def _stacks(self, params, args, kwargs) -> dict[str, tuple]:
+        """Each site's key and the stack shape of its state (``()``: one matmul)."""
         box = []
         flat, treedef = jax.tree_util.tree_flatten((params, args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if isinstance(x, jax.Array | np.ndarray)]
@@ -193,18 +210,22 @@ class Fp8Function:
                 full[i] = x
             p, a, k = jax.tree_util.tree_unflatten(treedef, full)
             out, interp = self._run(p, a, k, None)
-            box.append(interp.sites)
+            box.append(dict(interp.table.seen))
             return out
 
         jax.eval_shape(probe, *[flat[i] for i in dynamic])
-        return list(box[0])
+        return box[0]
 
     def init(self, params, *args, **kwargs) -> dict[str, Fp8DotState]:
-        """Delayed scaling's fresh state: one `Fp8DotState` per converted matmul."""
+        """Delayed scaling's fresh state: one `Fp8DotState` per converted matmul, its
+        leaves stacked ``[L, ...]`` for a kernel sliced from stacked layer params (one
+        per layer) and ``[n, ...]`` for a loop-invariant kernel in a scan of length
+        ``n`` (one per iteration)."""
         if not self.recipe.delayed:
             raise ValueError(f"recipe {self.recipe.scaling!r} keeps no state; only delayed "
                              "scaling has an `init`.")
-        return {key: fp8_dot_state(self.recipe) for key in self.sites(params, *args, **kwargs)}
+        return {key: stacked_state(fp8_dot_state(self.recipe), stack)
+                for key, stack in self._stacks(params, args, kwargs).items()}
 
 
 def convert_to_fp8(
@@ -217,11 +238,15 @@ def convert_to_fp8(
     """Runs the dense-layer matmuls of ``fn(params, *args)`` in fp8 (`mpfunc.fp8_dot`).
 
     A matmul is converted when it is a ``dot_general`` with one contraction dimension,
-    no batch dimensions, and exactly one operand that is a 2-D leaf of ``params`` (the
-    first argument), possibly transposed, reshaped or cast on the way: ``x @ w``,
-    ``jnp.einsum("btk,nk->btn", x, w)``, ``w @ x``. Products of two activations
-    (attention) are left alone. Matmuls inside ``scan``/``while``/``cond`` bodies are
-    not converted (a parameter sliced inside a loop is no longer a leaf).
+    no batch dimensions, and exactly one operand that is a 2-D view of a leaf of
+    ``params`` (the first argument): the leaf, possibly transposed, reshaped or cast on
+    the way (``x @ w``, ``jnp.einsum("btk,nk->btn", x, w)``, ``w @ x``), or one layer of
+    a leaf stacked along leading layer axes: ``w[i]`` in an unrolled loop, or the slice
+    a ``jax.lax.scan`` over it gives its body (flax ``nn.scan`` / ``nnx.scan`` too).
+    Each layer gets its own scales; delayed scaling's state for such a kernel is stacked
+    like it (one history per layer). A kernel used at every iteration of a scan gets one
+    state per iteration. Products of two activations (attention) are left alone, and
+    so are matmuls inside ``while_loop`` / ``cond`` bodies.
 
     Args:
       fn: ``fn(params, *args, **kwargs)``.

@@ -162,14 +162,37 @@ class Rewriter:
         if self._has_subjaxpr(params):
             # A control-flow or custom-derivative boundary: rewrite the sub-programs with
             # the rules inside and the original dtypes at their edges, so the primitive's
-            # signature (carries, branches, custom rules) is unchanged.
-            params = {k: self._rewrite_param(v, tags) for k, v in params.items()}
-            invals = [cast(x, v.aval.dtype) if hasattr(v.aval, "dtype") else x
-                      for x, v in zip(invals, eqn.invars)]
+            # signature (carries, branches, custom rules) is unchanged (except for the
+            # inputs `edge_dtypes` lets in as they are).
+            edge = self.edge_dtypes(eqn, invals, tags)
+            params = {k: self._rewrite_param(v, tags, edge) for k, v in params.items()}
+            invals = [cast(x, d or v.aval.dtype) if hasattr(v.aval, "dtype") else x
+                      for x, v, d in zip(invals, eqn.invars, edge)]
             return bind_with_subprograms(prim, invals, params)
         return self.rule(eqn, invals, tags)
 
     # -- sub-programs --------------------------------------------------------------------
+    def edge_dtypes(self, eqn, invals: list, tags: list) -> list:
+        """Per input of a sub-program equation: the dtype it enters in, or None for its
+        traced one (always, here). Only a ``scan``'s consts and scanned inputs, a
+        ``cond``'s operands and a checkpoint's inputs may differ: their sub-programs
+        are traced again with them (`changeable_inputs`)."""
+        del invals, tags
+        return [None] * len(eqn.invars)
+
+    @staticmethod
+    def changeable_inputs(eqn) -> list[int]:
+        """The inputs of ``eqn`` whose dtype its sub-programs can be retraced with."""
+        name, params, n = eqn.primitive.name, eqn.params, len(eqn.invars)
+        if name == "scan":  # not the carries
+            first, last = params["num_consts"], params["num_consts"] + params["num_carry"]
+            return [*range(first), *range(last, n)]
+        if name == "cond":
+            return list(range(1, n))
+        if name in ("checkpoint", "remat", "remat2"):
+            return list(range(n))
+        return []
+
     @staticmethod
     def _has_subjaxpr(params) -> bool:
         for v in params.values():
@@ -189,11 +212,14 @@ class Rewriter:
             return list(tags[1:])
         return [None] * n_in
 
-    def _rewrite_param(self, v, tags):
+    def _rewrite_param(self, v, tags, dtypes):
         if isinstance(v, ClosedJaxpr):
-            return self._rewrite_closed(v, self._sub_tags(len(v.jaxpr.invars), tags))
+            n = len(v.jaxpr.invars)
+            return self._rewrite_closed(v, self._sub_tags(n, tags), _sub_dtypes(n, dtypes))
         if isinstance(v, Jaxpr):
-            new = self._rewrite_closed(ClosedJaxpr(v, ()), self._sub_tags(len(v.invars), tags))
+            n = len(v.invars)
+            new = self._rewrite_closed(ClosedJaxpr(v, ()), self._sub_tags(n, tags),
+                                       _sub_dtypes(n, dtypes))
             if new.consts:
                 raise NotImplementedError(
                     "mpfunc: rewriting this sub-program introduced constants; please "
@@ -201,11 +227,12 @@ class Rewriter:
                 )
             return new.jaxpr
         if isinstance(v, tuple) and v and all(isinstance(b, ClosedJaxpr) for b in v):
-            return tuple(self._rewrite_closed(b, self._sub_tags(len(b.jaxpr.invars), tags))
+            return tuple(self._rewrite_closed(b, self._sub_tags(len(b.jaxpr.invars), tags),
+                                              _sub_dtypes(len(b.jaxpr.invars), dtypes))
                          for b in v)
         return v
 
-    def _rewrite_closed(self, cj: ClosedJaxpr, in_tags) -> ClosedJaxpr:
+    def _rewrite_closed(self, cj: ClosedJaxpr, in_tags, in_dtypes=None) -> ClosedJaxpr:
         in_avals = [v.aval for v in cj.jaxpr.invars]
         out_dtypes = [getattr(v.aval, "dtype", None) for v in cj.jaxpr.outvars]
 
@@ -213,17 +240,20 @@ class Rewriter:
             outs = self.eval_jaxpr(cj.jaxpr, cj.consts, args, in_tags)
             return [o if d is None else cast(o, d) for o, d in zip(outs, out_dtypes)]
 
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-                 for a in in_avals]
+        specs = [jax.ShapeDtypeStruct(a.shape, d or a.dtype, weak_type=a.weak_type and not d)
+                 for a, d in zip(in_avals, in_dtypes or [None] * len(in_avals))]
         return jax.make_jaxpr(body)(*specs)
 
     # -- entry point ---------------------------------------------------------------------
-    def wrap(self, fn: Callable, in_tag: Callable[[tuple, Any], Any] | None = None) -> Callable:
+    def wrap(self, fn: Callable, in_tag: Callable[[tuple, Any], Any] | None = None,
+             trace_dtype: Callable[[tuple, Any], Any] | None = None) -> Callable:
         """``fn`` re-evaluated under these rules.
 
         Array arguments are traced; any other argument (Python numbers, strings,
         modules) is passed through as static. ``in_tag(path, leaf)`` gives the tag of
         each traced argument, from its key path in ``(args, kwargs)``.
+        ``trace_dtype(path, leaf)``, if given, is the dtype to trace that argument in
+        (None: its own); the program is then evaluated on the argument as it is.
         """
 
         @functools.wraps(fn)
@@ -241,11 +271,20 @@ class Rewriter:
                 return fn(*a, **k)
 
             tags = [in_tag(flat[i][0], flat[i][1]) for i in dynamic_idx] if in_tag else None
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+            traced = list(dynamic)
+            for n, i in enumerate(dynamic_idx if trace_dtype is not None else ()):
+                if (dtype := trace_dtype(*flat[i])) is not None:
+                    traced[n] = jax.ShapeDtypeStruct(jnp.shape(dynamic[n]), dtype)
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*traced)
             outs = self.eval_jaxpr(closed.jaxpr, closed.consts, dynamic, tags)
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
         return wrapped
+
+
+def _sub_dtypes(n_in: int, dtypes: list) -> list:
+    """``edge_dtypes`` for a sub-program with ``n_in`` inputs, matched as tags are."""
+    return Rewriter._sub_tags(n_in, dtypes)  # the base rule, whatever a subclass's is
 
 
 def _is_traceable(x) -> bool:
