@@ -13,6 +13,7 @@ import numbers
 from typing import Any
 
 from _mpfunc_common.scale_config import FLOAT32_MAX, FLOAT32_MIN_NORMAL
+from _mpfunc_common.suggest import did_you_mean
 
 __all__ = [
     "FP8_MAX",
@@ -289,7 +290,7 @@ def resolve_recipe(recipe: Any = None, **overrides: Any) -> Fp8Recipe:
     if isinstance(recipe, str):
         if recipe not in RECIPES:
             raise ValueError(f"`recipe` must be one of {list(RECIPES)} or an Fp8Recipe, got "
-                             f"{recipe!r}.")
+                             f"{recipe!r}{did_you_mean([recipe], RECIPES)}.")
         recipe = RECIPES[recipe]
     elif not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"`recipe` must be a preset name ({list(RECIPES)}) or an Fp8Recipe, "
@@ -298,7 +299,8 @@ def resolve_recipe(recipe: Any = None, **overrides: Any) -> Fp8Recipe:
         fields = {f.name for f in dataclasses.fields(Fp8Recipe)}
         unknown = sorted(set(overrides) - fields)
         if unknown:
-            raise ValueError(f"unknown fp8 recipe field(s) {unknown}; valid fields: "
+            raise ValueError(f"unknown fp8 recipe field(s) {unknown}"
+                             f"{did_you_mean(unknown, fields)}; valid fields: "
                              f"{sorted(fields)}.")
         recipe = dataclasses.replace(recipe, **overrides)
     return recipe

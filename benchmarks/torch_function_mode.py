@@ -1,4 +1,4 @@
-"""What naive's float32 function mode costs in eager mode (issue 40, item 4).
+"""What naive's float32 function mode costs in eager mode.
 
 naive and apex O2 run the model's forward under ``HalfModelFp32Functions``, a torch
 function mode: every torch call inside ``forward`` goes through its Python

@@ -14,4 +14,6 @@ MISSPELT = [
      r"^unknown config key\(s\) \['inital_scale'\] for mode 'naive' \(did you mean "
      r"`initial_scale`\?\); valid keys for this mode: \['backoff_factor'"),
     (dict(mode="apex", opt_level="o2"), r"got 'o2' \(did you mean `O2`\?\)\.$"),
+    (dict(mode="fp8", recipe="tensorwize"),
+     r"got 'tensorwize' \(did you mean `tensorwise`\?\)\.$"),
 ]

@@ -81,6 +81,9 @@ def test_resolve_recipe():
         resolve_recipe(3)
     with pytest.raises(ValueError, match=r"unknown fp8 recipe field\(s\) \['history'\]"):
         resolve_recipe("delayed", history=8)
+    with pytest.raises(ValueError, match=r"\['amax_history_lenn'\] \(did you mean "
+                                         r"`amax_history_len`\?\); valid fields"):
+        resolve_recipe("delayed", amax_history_lenn=8)
     with pytest.raises(ValueError, match="`role`"):
         RECIPES["delayed"].block("output")
 
