@@ -240,6 +240,37 @@ def test_naive_resnet_block_runs_no_sum_in_float16():
     assert len(sums) == 3 and {d for _, d in sums} == {"float32"}, sums
     # ... while the conv and the dense still run float16 x float16
     mm = [tuple(str(v.aval.dtype) for v in e.invars) for e in jaxpr.eqns
-          if e.primitive.name == "custom_vjp_call"]
+          if e.primitive.name == "custom_vjp_call"
+          and {q.primitive.name for q in e.params["call_jaxpr"].jaxpr.eqns}
+          & {"dot_general", "conv_general_dilated"}]
     assert mm == [("float16", "float16")] * 2, mm
     assert rel_err(y, ref) < 2e-3
+
+
+def test_naive_backward_sums_run_in_float32():
+    # The gradients of what the forward broadcasts (BatchNorm's scale and bias, the
+    # Dense bias) are sums over the batch and the image: float32, as torch's half
+    # kernels accumulate them. (Plain JAX differentiates a float16 broadcast into a
+    # float16 sum; this one did, for BatchNorm's scale.)
+    net = ResNetBlock()
+    x = inputs()
+    variables = net.init(jax.random.key(0), x)
+    amp = mpfunc.convert_to_amp(net.apply, optax.sgd(0.1), mode="naive")
+    cast = amp.cast_params(variables)
+
+    def loss(params):
+        y, _ = amp.apply_fn({**cast, "params": params}, x, mutable=["batch_stats"])
+        return y.astype(jnp.float32).sum()
+
+    with jax.numpy_dtype_promotion("standard"):
+        sums = reduce_dtypes(jax.grad(loss), cast["params"])
+        grads = jax.jit(jax.grad(loss))(cast["params"])
+    ref = jax.grad(lambda p: net.apply({**variables, "params": p}, x,
+                                       mutable=["batch_stats"])[0].sum())(variables["params"])
+    assert len(sums) >= 8 and {d for _, d in sums} == {"float32"}, sums
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert g.dtype == jnp.float16, path  # the params' dtype, rounded once
+    for name in ("BatchNorm_0", "Dense_0"):
+        for leaf in ("scale", "bias"):
+            if leaf in ref[name]:
+                assert rel_err(grads[name][leaf], ref[name][leaf]) < 2e-3, (name, leaf)

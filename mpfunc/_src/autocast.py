@@ -187,8 +187,9 @@ class _HalfModelRules(_Rules):
     float32 constant, a float32 op's result, or computed from kept values only. An op
     where a kept value meets any other value (an activation, also one that a dtype
     promotion in ``fn`` cast to float32) runs in float32 and returns the compute dtype,
-    so a norm's output goes back to it as on the torch side. Everything else follows
-    its inputs.
+    so a norm's output goes back to it as on the torch side. A half value that an op
+    broadcasts (a bias, a norm's scale) gets its gradient summed in float32. Everything
+    else follows its inputs.
     """
 
     def tags(self, jaxpr, in_tags):
@@ -243,7 +244,54 @@ class _HalfModelRules(_Rules):
             if eqn.primitive.multiple_results:
                 return [cast(o, self.compute) for o in out]
             return cast(out, self.compute)
+        if name == "broadcast_in_dim" and self._is_half(invals[0]):
+            return _broadcast_summing_in_float32(invals[0], eqn.params["shape"],
+                                                 eqn.params["broadcast_dimensions"])
+        if name in _BROADCASTING_OPS:
+            # A half operand that the op broadcasts (a bias, a norm's scale): its
+            # gradient sums the cotangent over the broadcast dimensions, in float32.
+            shape = eqn.outvars[0].aval.shape
+            invals = [_broadcast_summing_in_float32(x, shape, range(len(shape) - x.ndim,
+                                                                    len(shape)))
+                      if self._is_half(x) and not isinstance(v, Literal)
+                      and tuple(x.shape) != tuple(shape) else x
+                      for x, v in zip(invals, eqn.invars)]
         return super().rule(eqn, invals, tags)
+
+    def _is_half(self, x):
+        return jnp.result_type(x) == self.compute
+
+
+# Elementwise ops whose operands may be broadcast (size-1 or missing leading dimensions).
+_BROADCASTING_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "atan2",
+                               "rem", "nextafter", "select_n", "clamp"})
+
+
+def _broadcast_summing_in_float32(x, shape, broadcast_dimensions):
+    """``lax.broadcast_in_dim(x, shape, broadcast_dimensions)`` for a half ``x``, whose
+    backward sums the cotangent in float32 (rounded to ``x``'s dtype once, at the end),
+    as torch's half kernels accumulate a bias's or a norm scale's gradient. Plain JAX
+    would sum it in the half dtype: over a batch and a sequence, a float16 sum of
+    thousands of terms."""
+    shape, dims = tuple(shape), tuple(broadcast_dimensions)
+    if tuple(x.shape) == shape:
+        return x
+
+    @jax.custom_vjp
+    def bcast(x):
+        return jax.lax.broadcast_in_dim(x, shape, dims)
+
+    def fwd(x):
+        return bcast(x), None
+
+    def bwd(_, ct):
+        f32 = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        (g,) = jax.linear_transpose(lambda y: jax.lax.broadcast_in_dim(y, shape, dims),
+                                    f32)(ct.astype(jnp.float32))
+        return (g.astype(x.dtype),)
+
+    bcast.defvjp(fwd, bwd)
+    return bcast(x)
 
 
 def half_model(fn: Callable, compute_dtype: Any):
