@@ -188,8 +188,8 @@ class _HalfModelRules(_Rules):
     where a kept value meets any other value (an activation, also one that a dtype
     promotion in ``fn`` cast to float32) runs in float32 and returns the compute dtype,
     so a norm's output goes back to it as on the torch side. A half value that an op
-    broadcasts (a bias, a norm's scale) gets its gradient summed in float32. Everything
-    else follows its inputs.
+    broadcasts (a bias, a norm's scale) or gathers (an embedding) gets its gradient summed
+    in float32. Everything else follows its inputs.
     """
 
     def tags(self, jaxpr, in_tags):
@@ -244,6 +244,8 @@ class _HalfModelRules(_Rules):
             if eqn.primitive.multiple_results:
                 return [cast(o, self.compute) for o in out]
             return cast(out, self.compute)
+        if name == "gather" and self._is_half(invals[0]):
+            return _gather_summing_in_float32(eqn.primitive, dict(eqn.params), *invals)
         if name == "broadcast_in_dim" and self._is_half(invals[0]):
             return _broadcast_summing_in_float32(invals[0], eqn.params["shape"],
                                                  eqn.params["broadcast_dimensions"])
@@ -292,6 +294,28 @@ def _broadcast_summing_in_float32(x, shape, broadcast_dimensions):
 
     bcast.defvjp(fwd, bwd)
     return bcast(x)
+
+
+def _gather_summing_in_float32(prim, params, x, indices):
+    """``gather`` of a half ``x`` (an embedding lookup) whose backward scatter-adds the
+    cotangent in float32, rounding once: a frequent token's gradient sums thousands of
+    rows, which torch's embedding backward accumulates in float32 too."""
+
+    @jax.custom_vjp
+    def take(x, indices):
+        return prim.bind(x, indices, **params)
+
+    def fwd(x, indices):
+        return take(x, indices), indices
+
+    def bwd(indices, ct):
+        f32 = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+        (g,) = jax.linear_transpose(lambda y: prim.bind(y, indices, **params),
+                                    f32)(ct.astype(jnp.float32))
+        return g.astype(x.dtype), None
+
+    take.defvjp(fwd, bwd)
+    return take(x, indices)
 
 
 def half_model(fn: Callable, compute_dtype: Any):
