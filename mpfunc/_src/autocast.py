@@ -284,12 +284,14 @@ def _broadcast_summing_in_float32(x, shape, broadcast_dimensions):
         return jax.lax.broadcast_in_dim(x, shape, dims)
 
     def fwd(x):
-        return bcast(x), None
+        return bcast(x), x
 
-    def bwd(_, ct):
-        f32 = jax.ShapeDtypeStruct(x.shape, jnp.float32)
-        (g,) = jax.linear_transpose(lambda y: jax.lax.broadcast_in_dim(y, shape, dims),
-                                    f32)(ct.astype(jnp.float32))
+    def bwd(x, ct):
+        # The pullback of the float32 broadcast: only x's type is read (under shard_map
+        # the axes it varies over too), its values are dead code that XLA drops.
+        _, pullback = jax.vjp(lambda y: jax.lax.broadcast_in_dim(y, shape, dims),
+                              x.astype(jnp.float32))
+        (g,) = pullback(ct.astype(jnp.float32))
         return (g.astype(x.dtype),)
 
     bcast.defvjp(fwd, bwd)
@@ -306,12 +308,13 @@ def _gather_summing_in_float32(prim, params, x, indices):
         return prim.bind(x, indices, **params)
 
     def fwd(x, indices):
-        return take(x, indices), indices
+        return take(x, indices), (x, indices)
 
-    def bwd(indices, ct):
-        f32 = jax.ShapeDtypeStruct(x.shape, jnp.float32)
-        (g,) = jax.linear_transpose(lambda y: prim.bind(y, indices, **params),
-                                    f32)(ct.astype(jnp.float32))
+    def bwd(res, ct):
+        x, indices = res
+        _, pullback = jax.vjp(lambda y: prim.bind(y, indices, **params),
+                              x.astype(jnp.float32))
+        (g,) = pullback(ct.astype(jnp.float32))
         return g.astype(x.dtype), None
 
     take.defvjp(fwd, bwd)
