@@ -205,6 +205,7 @@ def test_torch_modes_in_process_peaks_need_cuda():
     assert "--peak in-process needs --device cuda" in proc.stderr
 
 
+@pytest.mark.slow  # compiles the demo at two depths, unrolled and scanned: about 15 s
 def test_jax_compile_depth(tmp_path):
     out = tmp_path / "r.json"
     stdout = run_script("jax_compile_depth.py", "--depths", "1", "2", "--repeats", "1",
@@ -271,6 +272,7 @@ def test_torch_sharding():
     assert r
 
 
+@pytest.mark.slow  # a transformer's compiles: about 20 s
 def test_jax_scale_cost_transformer(tmp_path):
     # The transformer model, through bf16 mode: its attention backward is what XLA:CPU
     # could not run before autocast widened bf16 dots on CPU.
@@ -352,6 +354,7 @@ def test_fp8_time_budget_skips_and_records(tmp_path):
     assert {s["reason"] for s in r["skipped"]} == {"time budget"}
 
 
+@pytest.mark.slow  # GPT and dot models in both frameworks: about 30 s
 def test_fp8_gpt_and_dot_models(tmp_path):
     # The demo's GPT decoder at a tiny size in both frameworks (one init, the same
     # batches), and JAX's single dot: every row measured, the GPT losses at the same
