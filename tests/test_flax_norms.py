@@ -221,12 +221,18 @@ class ResNetBlock(nn.Module):
         return nn.Dense(10, dtype=F32)(x)
 
 
-def test_naive_resnet_block_runs_no_sum_in_float16():
+def naive_resnet_block():
+    """``(net, x, variables, amp, cast)``: the block, its input and variables, the naive
+    setup and the variables it cast."""
     net = ResNetBlock()
     x = inputs()
     variables = net.init(jax.random.key(0), x)
     amp = mpfunc.convert_to_amp(net.apply, optax.sgd(0.1), mode="naive")
-    cast = amp.cast_params(variables)
+    return net, x, variables, amp, amp.cast_params(variables)
+
+
+def test_naive_resnet_block_runs_no_sum_in_float16():
+    net, x, variables, amp, cast = naive_resnet_block()
 
     def fwd(v, x):
         return amp.apply_fn(v, x, mutable=["batch_stats"])
@@ -252,11 +258,7 @@ def test_naive_backward_sums_run_in_float32():
     # Dense bias) are sums over the batch and the image: float32, as torch's half
     # kernels accumulate them. (Plain JAX differentiates a float16 broadcast into a
     # float16 sum; this one did, for BatchNorm's scale.)
-    net = ResNetBlock()
-    x = inputs()
-    variables = net.init(jax.random.key(0), x)
-    amp = mpfunc.convert_to_amp(net.apply, optax.sgd(0.1), mode="naive")
-    cast = amp.cast_params(variables)
+    net, x, variables, amp, cast = naive_resnet_block()
 
     def loss(params):
         y, _ = amp.apply_fn({**cast, "params": params}, x, mutable=["batch_stats"])
