@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpfunc._src.float32_sums import BROADCASTING_OPS, broadcast, summing_in_float32
 from mpfunc._src.model_state import map_leaves
 from mpfunc._src.policy import _to_dtype
 from mpfunc._src.rewrite import (
@@ -245,80 +246,22 @@ class _HalfModelRules(_Rules):
                 return [cast(o, self.compute) for o in out]
             return cast(out, self.compute)
         if name == "gather" and self._is_half(invals[0]):
-            return _gather_summing_in_float32(eqn.primitive, dict(eqn.params), *invals)
+            params = dict(eqn.params)
+            return summing_in_float32(lambda y, i: eqn.primitive.bind(y, i, **params),
+                                       *invals)
         if name == "broadcast_in_dim" and self._is_half(invals[0]):
-            return _broadcast_summing_in_float32(invals[0], eqn.params["shape"],
-                                                 eqn.params["broadcast_dimensions"])
-        if name in _BROADCASTING_OPS:
+            return broadcast(invals[0], eqn.params["shape"], eqn.params["broadcast_dimensions"])
+        if name in BROADCASTING_OPS:
             # A half operand that the op broadcasts (a bias, a norm's scale): its
             # gradient sums the cotangent over the broadcast dimensions, in float32.
             shape = eqn.outvars[0].aval.shape
-            invals = [_broadcast_summing_in_float32(x, shape, range(len(shape) - x.ndim,
-                                                                    len(shape)))
-                      if self._is_half(x) and not isinstance(v, Literal)
-                      and tuple(x.shape) != tuple(shape) else x
+            invals = [broadcast(x, shape, range(len(shape) - x.ndim, len(shape)))
+                      if self._is_half(x) and not isinstance(v, Literal) else x
                       for x, v in zip(invals, eqn.invars)]
         return super().rule(eqn, invals, tags)
 
     def _is_half(self, x):
         return jnp.result_type(x) == self.compute
-
-
-# Elementwise ops whose operands may be broadcast (size-1 or missing leading dimensions).
-_BROADCASTING_OPS = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "atan2",
-                               "rem", "nextafter", "select_n", "clamp"})
-
-
-def _broadcast_summing_in_float32(x, shape, broadcast_dimensions):
-    """``lax.broadcast_in_dim(x, shape, broadcast_dimensions)`` for a half ``x``, whose
-    backward sums the cotangent in float32 (rounded to ``x``'s dtype once, at the end),
-    as torch's half kernels accumulate a bias's or a norm scale's gradient. Plain JAX
-    would sum it in the half dtype: over a batch and a sequence, a float16 sum of
-    thousands of terms."""
-    shape, dims = tuple(shape), tuple(broadcast_dimensions)
-    if tuple(x.shape) == shape:
-        return x
-
-    @jax.custom_vjp
-    def bcast(x):
-        return jax.lax.broadcast_in_dim(x, shape, dims)
-
-    def fwd(x):
-        return bcast(x), x
-
-    def bwd(x, ct):
-        # The pullback of the float32 broadcast: only x's type is read (under shard_map
-        # the axes it varies over too), its values are dead code that XLA drops.
-        _, pullback = jax.vjp(lambda y: jax.lax.broadcast_in_dim(y, shape, dims),
-                              x.astype(jnp.float32))
-        (g,) = pullback(ct.astype(jnp.float32))
-        return (g.astype(x.dtype),)
-
-    bcast.defvjp(fwd, bwd)
-    return bcast(x)
-
-
-def _gather_summing_in_float32(prim, params, x, indices):
-    """``gather`` of a half ``x`` (an embedding lookup) whose backward scatter-adds the
-    cotangent in float32, rounding once: a frequent token's gradient sums thousands of
-    rows, which torch's embedding backward accumulates in float32 too."""
-
-    @jax.custom_vjp
-    def take(x, indices):
-        return prim.bind(x, indices, **params)
-
-    def fwd(x, indices):
-        return take(x, indices), (x, indices)
-
-    def bwd(res, ct):
-        x, indices = res
-        _, pullback = jax.vjp(lambda y: prim.bind(y, indices, **params),
-                              x.astype(jnp.float32))
-        (g,) = pullback(ct.astype(jnp.float32))
-        return g.astype(x.dtype), None
-
-    take.defvjp(fwd, bwd)
-    return take(x, indices)
 
 
 def half_model(fn: Callable, compute_dtype: Any):
