@@ -29,6 +29,7 @@ def run_script(name, *args, timeout=300):
     return proc.stdout
 
 
+@pytest.mark.slow  # several compiles per row: about 20 s
 def test_jax_scale_cost(tmp_path):
     out = tmp_path / "r.json"
     run_script("jax_scale_cost.py", "--depths", "2", "--batch", "8", "--compile-repeats", "1",
@@ -58,6 +59,7 @@ def test_jax_scale_cost(tmp_path):
     assert all(row["warm_compile_s"] > 0 for row in rows.values())
 
 
+@pytest.mark.slow  # about 8 s
 def test_jax_loss_scale(tmp_path):
     out, cache = tmp_path / "r.json", tmp_path / "cache"
     run_script("jax_loss_scale.py", "--batch", "8", "--width", "32", "--depth", "1",
@@ -79,6 +81,7 @@ def test_jax_loss_scale(tmp_path):
         assert c["cold_s"] == c["first"]["total_s"] > 0 and c["warm_s"] > 0
 
 
+@pytest.mark.slow  # both frameworks' report cost: about 10 s
 def test_precision_report(tmp_path):
     out = tmp_path / "r.json"
     run_script("precision_report.py", "--batch", "8", "--width", "32", "--rounds", "1",
@@ -318,6 +321,7 @@ def test_jax_scale_cost_names_an_unknown_variant():
     assert "`only` names unknown variants ['nope']" in proc.stderr
 
 
+@pytest.mark.slow  # every recipe in both frameworks: about 20 s
 def test_fp8(tmp_path):
     # The --quick CPU setting (d=32): every variant runs and reports a finite, positive
     # throughput and ratio under the keys fp8.<framework>.<recipe>.<d>.speed_vs_bf16.
