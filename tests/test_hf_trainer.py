@@ -10,22 +10,14 @@ import logging
 
 import pytest
 import torch
-from torch_task import same
+from torch_task import TRAINER_MODES, same
 
 transformers = pytest.importorskip("transformers")
 from mpfunc_torch.transformers import AmpTrainer  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
-MODES = [  # small initial scales, so that only the planted inf skips
-    ("torch", {"init_scale": 2.0**8}),
-    ("apex", {"opt_level": "O1", "verbosity": 0, "loss_scale": 2.0**8}),
-    ("apex", {"opt_level": "O2", "verbosity": 0, "max_loss_scale": 2.0**8}),
-    ("apex", {"opt_level": "O3", "verbosity": 0}),
-    ("naive", {"initial_scale": 2.0**8}),
-    ("bf16", {}),
-    ("fp8", {}),
-]
+MODES = [m for m in TRAINER_MODES if m[1].get("dtype") != "bfloat16"]
 DEFAULT = {"torch", "naive"}  # the other modes run in the slow suite (~5 s each)
 PARAMS = [pytest.param(m, c, id="-".join([m, *([c["opt_level"]] if "opt_level" in c else [])]),
                        marks=() if m in DEFAULT else pytest.mark.slow) for m, c in MODES]

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from torch_task import same
+from torch_task import TRAINER_MODES, same
 
 from mpfunc_torch.lightning import AmpPrecision
 
@@ -21,16 +21,7 @@ PACKAGES = ["pytorch_lightning", "lightning.pytorch"]
 for _name in ("pytorch_lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric"):
     logging.getLogger(_name).setLevel(logging.ERROR)  # "GPU available: False", tips
 
-MODES = [  # (mode, config): small initial scales, so that only the planted inf skips
-    ("torch", {"init_scale": 2.0**8}),
-    ("torch", {"init_scale": 2.0**8, "dtype": "bfloat16"}),
-    ("apex", {"opt_level": "O1", "verbosity": 0, "loss_scale": 2.0**8}),
-    ("apex", {"opt_level": "O2", "verbosity": 0, "max_loss_scale": 2.0**8}),
-    ("apex", {"opt_level": "O3", "verbosity": 0}),
-    ("naive", {"initial_scale": 2.0**8}),
-    ("bf16", {}),
-    ("fp8", {}),
-]
+MODES = TRAINER_MODES
 
 
 def mode_id(m):

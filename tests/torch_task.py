@@ -122,3 +122,17 @@ def same(a, b):
     if isinstance(a, torch.Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
     return a == b
+
+
+# Every mode the trainers take, with small initial scales so that only a test's planted
+# inf skips (tests/test_lightning_plugin.py, tests/test_hf_trainer.py).
+TRAINER_MODES = [
+    ("torch", {"init_scale": 2.0**8}),
+    ("torch", {"init_scale": 2.0**8, "dtype": "bfloat16"}),
+    ("apex", {"opt_level": "O1", "verbosity": 0, "loss_scale": 2.0**8}),
+    ("apex", {"opt_level": "O2", "verbosity": 0, "max_loss_scale": 2.0**8}),
+    ("apex", {"opt_level": "O3", "verbosity": 0}),
+    ("naive", {"initial_scale": 2.0**8}),
+    ("bf16", {}),
+    ("fp8", {}),
+]
