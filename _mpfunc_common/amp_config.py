@@ -72,6 +72,9 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_scale": 2.0**32,
         "clip_grad": 0.0,
         "verbose": False,
+        # The scale's warm start (scale_config.UPDATE_RULE): False is Colossal-AI's and
+        # Megatron's exact trajectory, which skips ~17 steps from 2**32 at the start.
+        "warm_start": True,
     },
     "bf16": {},
     # bf16 for everything but the matmuls of linear/dense layers, which run in fp8.
@@ -197,7 +200,8 @@ class AmpPlan:
             parts.append(
                 f"loss_scale=dynamic(init={c.initial_scale:g}, growth={c.growth_factor:g}, "
                 f"backoff={c.backoff_factor:g}, interval={c.growth_interval}, "
-                f"hysteresis={c.hysteresis}, min={c.min_scale:g}, max={c.max_scale:g})"
+                f"hysteresis={c.hysteresis}, min={c.min_scale:g}, max={c.max_scale:g}"
+                + (", warm start)" if c.warm_start else ")")
             )
         else:
             parts.append(f"loss_scale={self.scale_kind}"
@@ -292,7 +296,7 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
                        fp8_recipe=resolve_recipe(cfg["recipe"]))
 
     if mode_name == "naive":
-        for key in ("log_num_zeros_in_grad", "verbose"):
+        for key in ("log_num_zeros_in_grad", "verbose", "warm_start"):
             _bool(cfg, key)
         clip = cfg["clip_grad"]
         if isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not (
@@ -308,6 +312,7 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
             hysteresis=cfg["hysteresis"],
             min_scale=cfg["min_scale"],
             max_scale=cfg["max_scale"],
+            warm_start=cfg["warm_start"],
             names={"init_scale": "initial_scale"},
         )
         return AmpPlan(

@@ -161,7 +161,8 @@ class FP16NaiveMixedPrecision(MixedPrecisionConfig):
     Seed fields, in the seed's order: log_num_zeros_in_grad, initial_scale,
     growth_factor, backoff_factor, hysteresis, max_scale, verbose (the seed gives them
     no defaults; these are Colossal's ``AMP_TYPE.NAIVE`` defaults). mpfunc's
-    keyword-only extras: ``min_scale``, ``growth_interval``, ``clip_grad``.
+    keyword-only extras: ``min_scale``, ``growth_interval``, ``clip_grad`` and
+    ``warm_start`` (the scale's warm start; False is Colossal's exact trajectory).
 
     Examples:
       >>> FP16NaiveMixedPrecision(hysteresis=3).hysteresis
@@ -182,6 +183,7 @@ class FP16NaiveMixedPrecision(MixedPrecisionConfig):
     min_scale: float = 1.0
     growth_interval: int = 1000
     clip_grad: float = 0.0
+    warm_start: bool = True
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

@@ -19,6 +19,12 @@ __all__ = [
     "FLOAT32_MIN_NORMAL",
     "FLOAT32_MAX",
     "DEFAULT_MIN_SCALE",
+    "WARM_DROP",
+    "WARM_CLIMB",
+    "WARM_OFF",
+    "WARM_START",
+    "WARM_DOWN",
+    "WARM_UP",
     "resolve_scale_config",
     "to_float32",
     "as_python_number",
@@ -35,11 +41,38 @@ FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
 # inf; below 1 an extra check after unscaling is needed (both sides do it then).
 DEFAULT_MIN_SCALE = 1.0
 
+# The warm start (`ScaleConfig.warm_start`): until the first finite step a skip divides
+# the scale by 2**16 (a binary search's first cut of float16's useful 2**0..2**32); after
+# such a drop the scale climbs x4 per finite step until its first overflow, which goes
+# back to the last finite scale (or a finite step at the ceiling). Both are powers of two, so every product is exact.
+WARM_DROP = 2.0**-16
+WARM_CLIMB = 4.0
+# Its phases, the state's ``warm_phase``. OFF: the plain rule (and every state saved
+# before the warm start existed). START: no step yet. DOWN: skipped, no finite step yet.
+# UP: climbing after the drop.
+WARM_OFF, WARM_START, WARM_DOWN, WARM_UP = 0, 1, 2, 3
+
 # The update rule, shared word for word by the JAX and torch docstrings: the code under
 # their `.. code-block::` directive (indented one level more), then the prose.
 UPDATE_RULE = """\
         # once per optimizer step; finite = every gradient leaf is finite (on every shard)
-        if not finite:                                   # the step is skipped
+        if warm_phase == START and finite:               # warm_start=True only; a
+            warm_phase = OFF                             # good initial scale is kept
+        if warm_phase != OFF:                            # the warm start
+            growth_tracker, hysteresis_left = 0, hysteresis
+            top = min(max_scale, FLOAT32_MAX)
+            if finite and loss_scale == top:             # nothing above to look for
+                warm_phase = OFF
+            elif finite:                                 # climb, x4 per finite step
+                loss_scale = min(loss_scale * 4, top)
+                warm_phase = UP
+            elif warm_phase == UP:                       # the climb's first overflow:
+                loss_scale = max(loss_scale / 4, min_scale)   # the last finite scale
+                warm_phase = OFF                         # (or top / 4)
+            else:                                        # no finite step yet
+                loss_scale = max(loss_scale * 2**-16, min_scale)
+                warm_phase = DOWN
+        elif not finite:                                 # the step is skipped
             growth_tracker = 0
             hysteresis_left = max(hysteresis_left - 1, 0)
             if hysteresis_left == 0:
@@ -61,6 +94,12 @@ UPDATE_RULE = """\
     at least 2**-126 (the smallest normal float32), so the scale is never 0, subnormal,
     inf or NaN; GradScaler and apex have no floor and follow the same trajectory as
     long as theirs stays >= 1.
+
+    warm_phase starts at START with warm_start=True (naive mode's default) and at OFF
+    otherwise, where the rule is exactly Megatron's / GradScaler's. The warm start costs
+    at most 3 skipped steps from 2**32 down to any overflow threshold >= 1, and settles
+    within 2x below the scale the plain rule settles at (both on the powers of two from
+    the initial scale; within 4x otherwise).
 """
 
 
@@ -70,6 +109,8 @@ class ScaleConfig:
 
     Every float is a float32 value (rounded once by `resolve_scale_config`).
     ``max_scale=inf`` means no ceiling; there is always a floor, ``min_scale`` >= 2**-126.
+    ``warm_start``: search down, then up, for the scale until the first overflow after a
+    finite step (see `UPDATE_RULE`); False in every preset, True in naive mode.
     """
 
     init_scale: float
@@ -79,6 +120,7 @@ class ScaleConfig:
     hysteresis: int
     min_scale: float
     max_scale: float
+    warm_start: bool = False
 
     @property
     def initial_scale(self) -> float:
@@ -177,6 +219,7 @@ def resolve_scale_config(
     hysteresis=None,
     min_scale=None,
     max_scale=None,
+    warm_start=None,
     names: Mapping[str, str] | None = None,
 ) -> ScaleConfig:
     """Returns the preset's config with every argument that is not None overriding it.
@@ -190,6 +233,7 @@ def resolve_scale_config(
       init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
         max_scale: overrides (None keeps the preset's value). Python, NumPy or concrete
         JAX/torch scalars.
+      warm_start: a bool, or None for the preset's (False).
       names: how the caller's user spells each key (e.g. ``{"min_scale":
         "min_loss_scale"}`` for apex), so that errors name what the user typed.
 
@@ -218,6 +262,11 @@ def resolve_scale_config(
         max_scale=max_scale,
     )
     values = dataclasses.asdict(base)
+    if warm_start is not None:
+        if not isinstance(warm_start, bool):
+            raise TypeError(f"`{nm('warm_start')}` must be a bool, got "
+                            f"{type(warm_start).__name__}: {warm_start!r}.")
+        values["warm_start"] = warm_start
     given = {}
     for name, value in overrides.items():
         if value is None:

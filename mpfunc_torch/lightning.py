@@ -1,6 +1,6 @@
 """`AmpPrecision`: mpfunc_torch's modes as a Lightning precision plugin.
 
-``Trainer(plugins=[AmpPrecision("naive", initial_scale=2.0**8)])`` trains in any mode of
+``Trainer(plugins=[AmpPrecision("naive")])`` trains in any mode of
 `mpfunc_torch.convert_to_amp` inside Lightning's own loop. One class serves both
 Lightning packages, ``pytorch_lightning`` and ``lightning`` (``lightning.pytorch``),
 whichever are installed. Needs the `lightning` extra (``pip install

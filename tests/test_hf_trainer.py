@@ -168,7 +168,9 @@ def test_scale_metrics_and_the_optimizer_after_train(tmp_path):
     trainer = AmpTrainer(model=gpt2(), args=args(tmp_path, max_steps=2),
                          train_dataset=Tokens(), callbacks=[Watch(plant_at=0)],
                          amp_mode="naive", amp_config={"initial_scale": 2.0**8,
-                                                       "hysteresis": 1})
+                                                       "hysteresis": 1,
+                                                       # the plain rule: one halving
+                                                       "warm_start": False})
     with pytest.raises(RuntimeError, match="AmpTrainer.scale_metrics: nothing is converted"):
         trainer.scale_metrics()
     trainer.train()

@@ -389,7 +389,8 @@ class TestState:
         _, _, state = adam_setup()
         assert state._fields == ("loss_scale", "growth_tracker", "hysteresis_left",
                                  "skipped_steps", "consecutive_skips", "last_finite", "inner_state",
-                                 "skip_leaves")
+                                 "skip_leaves", "warm_phase")
+        assert state.warm_phase is None  # only with warm_start=True (tests/test_warm_start.py)
         assert state.loss_scale.dtype == jnp.float32
         assert state.growth_tracker.dtype == jnp.int32
         assert state.hysteresis_left.dtype == jnp.int32
@@ -571,8 +572,9 @@ def test_bad_types():
 
 
 class TestNoHostSync:
-    def test_step_runs_under_transfer_guard(self):
-        params, opt, state = adam_setup()
+    @pytest.mark.parametrize("kw", [{}, {"preset": "naive", "warm_start": True}])
+    def test_step_runs_under_transfer_guard(self, kw):
+        params, opt, state = adam_setup(**kw)  # the warm start too: selects, no branch
 
         @jax.jit
         def step(params, state, x):

@@ -112,6 +112,8 @@ CORRUPTIONS = [
     (_S + ("skipped_steps",), torch.tensor(-1, dtype=torch.int32), "\\['skipped_steps'\\]"),
     (_S + ("consecutive_skips",), torch.tensor(7, dtype=torch.int32), "\\['consecutive_skips'\\]"),
     (_S + ("last_finite",), torch.tensor(False), "\\['last_finite'\\]"),
+    (_S + ("warm_phase",), torch.tensor(7, dtype=torch.int32), "\\['warm_phase'\\]"),
+    (_S + ("config", "warm_start"), "yes", "\\['warm_start'\\]"),
     (_S + ("growth_tracker",), _DELETE, "missing keys \\['growth_tracker'\\]"),
     (_S + ("config",), {"init_scale": 1.0}, "\\['config'\\]"),
     (("scalers",), [], "\\['scalers'\\]"),

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from _mpfunc_common.scale_config import WARM_OFF, WARM_UP
 from mpfunc._src.master_weights import MasterWeightsState
 from mpfunc._src.modes import AmpSetup
 from mpfunc._src.scale_state import LossScaleState
@@ -33,7 +34,8 @@ def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) ->
     target stores them). The other way, the params in float32 become the masters. The
     optimizer's own state (Adam's moments and count) carries over; a dynamic loss scale
     carries over into a mode with a dynamic scale (its scale, growth tracker and
-    hysteresis brought into the target's range, as a torch resume does), and anywhere
+    hysteresis brought into the target's range, as a torch resume does; its warm start
+    goes on where it was, or counts as done where the source had none), and anywhere
     else the target starts from its own initial state. The links `convert_to_amp` adds
     (``clip_grad``, ``log_num_zeros_in_grad``) start afresh. Nothing passed in changes.
 
@@ -91,12 +93,18 @@ def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) ->
     state = fresh._replace(inner_state=user)
     if scale is not None and plan.enabled and plan.scale_kind == "dynamic":
         c = plan.scale_config
+        # The warm start goes on where it was; a source without one is past it.
+        warm = state.warm_phase
+        if warm is not None:
+            warm = (jnp.clip(scale.warm_phase, WARM_OFF, WARM_UP).astype(jnp.int32)
+                    if scale.warm_phase is not None and c.warm_start
+                    else jnp.zeros((), jnp.int32))
         state = state._replace(
             loss_scale=jnp.clip(scale.loss_scale, c.min_scale, c.max_scale).astype(jnp.float32),
             growth_tracker=jnp.minimum(scale.growth_tracker, c.growth_interval - 1),
             hysteresis_left=jnp.minimum(scale.hysteresis_left, c.hysteresis),
             skipped_steps=scale.skipped_steps, consecutive_skips=scale.consecutive_skips,
-            last_finite=scale.last_finite)
+            last_finite=scale.last_finite, warm_phase=warm)
     return new_params, state
 
 

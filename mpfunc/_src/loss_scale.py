@@ -13,6 +13,7 @@ from _mpfunc_common.scale_config import (
     FLOAT32_MAX,
     FLOAT32_MIN_NORMAL,
     UPDATE_RULE,
+    WARM_START,
     ScaleConfig,
     as_python_number,
     resolve_scale_config,
@@ -92,6 +93,8 @@ def _scale_transform(
             last_finite=jnp.asarray(True),
             inner_state=inner.init(params) if inner is not None else optax.EmptyState(),
             skip_leaves=skip_record_init(params) if record_skip_leaves else None,
+            warm_phase=(jnp.asarray(WARM_START, jnp.int32)
+                        if cfg is not None and cfg.warm_start else None),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -141,9 +144,10 @@ def _scale_transform(
         new_updates = _cast_like(new_updates, like)
 
         if cfg is not None:
-            scale, tracker, hyst = next_scale(cfg, state, finite)
+            scale, tracker, hyst, warm = next_scale(cfg, state, finite)
         else:
             scale, tracker, hyst = jnp.float32(static_value), jnp.int32(0), jnp.int32(1)
+            warm = None if state.warm_phase is None else jnp.zeros((), jnp.int32)
         skipped = jnp.maximum(state.skipped_steps, 0)
         in_a_row = jnp.clip(state.consecutive_skips, 0, _INT32_MAX - 1)
         return new_updates, LossScaleState(
@@ -156,6 +160,7 @@ def _scale_transform(
             inner_state=new_inner,
             skip_leaves=(skip_record(state.skip_leaves, leaf_flags, finite)
                          if record_skip_leaves else state.skip_leaves),
+            warm_phase=warm,
         )
 
     def rewrap(new_inner):
@@ -238,6 +243,9 @@ _DYNAMIC_DOC = """Dynamic loss scaling as an optax transformation.
         at the last skipped step, for ``scale_metrics(state, skip_leaves=params)``. Off
         by default: the finite check then reduces up to 16 alike leaves at once (one
         compiled kernel each on XLA:CPU); the record needs one reduction per leaf.
+      warm_start: search for the scale at the start (``warm_phase`` above; naive
+        mode's default, no preset's): from 2**32 at most 3 skipped steps, settling
+        within 2x below where the plain rule settles. A finite first step ends it.
 
     Hyperparameters may be Python numbers or concrete NumPy/JAX scalars
     (``jnp.float32(2.**15)``, ``growth_interval=5.``), as jmp users write them; each is
@@ -277,6 +285,7 @@ def dynamic_scale(
     max_scale: float | None = None,
     axis_name: AxisName = None,
     record_skip_leaves: bool = False,
+    warm_start: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     cfg = resolve_scale_config(
         preset,
@@ -287,6 +296,7 @@ def dynamic_scale(
         hysteresis=hysteresis,
         min_scale=min_scale,
         max_scale=max_scale,
+        warm_start=warm_start,
     )
     return _scale_transform(inner, cfg=cfg, static_value=None, axis_name=axis_name,
                             record_skip_leaves=record_skip_leaves)

@@ -139,7 +139,8 @@ def convert_to_amp(
             O2 f16 + f32 norms /    autocast     O1, O2: dynamic,
             O3 f16                               "apex"
     naive   float16 (all)           float16      dynamic, "naive"      yes
-                                                 (hysteresis 2)
+                                                 (hysteresis 2),
+                                                 warm start
     bf16    float32                 autocast     none (non-finite      no
                                     bf16         steps still skipped)
     fp8     float32                 as bf16;     none, as bf16         no

@@ -13,7 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from _mpfunc_common.scale_config import FLOAT32_MAX, ScaleConfig
+from _mpfunc_common.scale_config import (
+    FLOAT32_MAX,
+    WARM_CLIMB,
+    WARM_DOWN,
+    WARM_DROP,
+    WARM_OFF,
+    WARM_START,
+    WARM_UP,
+    ScaleConfig,
+)
 
 __all__ = ["as_transformation", "check_inner_state", "next_scale"]
 
@@ -88,8 +97,11 @@ def next_scale(cfg: ScaleConfig, state: Any, finite: jax.Array):
     ``[min_scale, max_scale]``, NaN to ``min_scale``; ``growth_tracker`` into
     ``[0, growth_interval - 1]``; ``hysteresis_left`` into ``[0, hysteresis]``). States
     this transformation made are always in range, so this never changes their trajectory.
+    Returns ``(loss_scale, growth_tracker, hysteresis_left, warm_phase)``: the phase is
+    None for a state without one (it runs the plain rule), 0 where ``cfg`` has no warm
+    start.
     """
-    f32 = jnp.float32
+    f32, i32 = jnp.float32, jnp.int32
     hi = cfg.max_scale if np.isfinite(cfg.max_scale) else FLOAT32_MAX
     scale = jnp.clip(state.loss_scale, f32(cfg.min_scale), f32(hi))
     scale = jnp.where(jnp.isnan(state.loss_scale), f32(cfg.min_scale), scale)
@@ -105,9 +117,29 @@ def next_scale(cfg: ScaleConfig, state: Any, finite: jax.Array):
     grown = jnp.minimum(scale * f32(cfg.growth_factor), f32(cfg.max_scale))
     clean_scale = jnp.where(grow & jnp.isfinite(grown), grown, scale)
     clean_tracker = jnp.where(grow, 0, tracker)
-    clean_hyst = jnp.where(grow, jnp.int32(cfg.hysteresis), hyst)
+    clean_hyst = jnp.where(grow, i32(cfg.hysteresis), hyst)
+    new_scale = jnp.where(finite, clean_scale, over_scale)
+    new_tracker = jnp.where(finite, clean_tracker, 0).astype(i32)
+    new_hyst = jnp.where(finite, clean_hyst, hyst_after).astype(i32)
+    if state.warm_phase is None:
+        return new_scale, new_tracker, new_hyst, None
+    if not cfg.warm_start:
+        return new_scale, new_tracker, new_hyst, jnp.zeros((), i32)
+    # The warm start (`UPDATE_RULE`); a phase out of range counts as done.
+    phase = jnp.asarray(state.warm_phase, i32)
+    phase = jnp.where((phase < WARM_OFF) | (phase > WARM_UP), WARM_OFF, phase)
+    phase = jnp.where((phase == WARM_START) & finite, WARM_OFF, phase)
+    climbed = jnp.minimum(scale * f32(WARM_CLIMB), f32(hi))
+    dropped = jnp.maximum(scale * f32(WARM_DROP), f32(cfg.min_scale))
+    back = jnp.maximum(scale * f32(1 / WARM_CLIMB), f32(cfg.min_scale))
+    warm_scale = jnp.where(finite, climbed, jnp.where(phase == WARM_UP, back, dropped))
+    warm_phase = jnp.where(
+        finite, jnp.where(scale < f32(hi), WARM_UP, WARM_OFF),
+        jnp.where(phase == WARM_UP, WARM_OFF, WARM_DOWN)).astype(i32)
+    warm = phase != WARM_OFF
     return (
-        jnp.where(finite, clean_scale, over_scale),
-        jnp.where(finite, clean_tracker, 0).astype(jnp.int32),
-        jnp.where(finite, clean_hyst, hyst_after).astype(jnp.int32),
+        jnp.where(warm, warm_scale, new_scale),
+        jnp.where(warm, 0, new_tracker).astype(i32),
+        jnp.where(warm, i32(cfg.hysteresis), new_hyst).astype(i32),
+        jnp.where(warm, warm_phase, WARM_OFF).astype(i32),
     )

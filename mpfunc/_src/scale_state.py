@@ -51,6 +51,11 @@ class LossScaleState(NamedTuple):
         with ``scale_metrics(opt_state, skip_leaves=params)``. Gradients with other
         leaves than ``init``'s params leave it as it was. Without it the state has the
         seven fields' leaves it had before the record existed.
+      warm_phase: None, or with ``warm_start=True`` (naive mode's default) an int32
+        scalar: where the warm start of the scale stands (1 before any step, 2 after a
+        skip and before the first finite step, 3 while it climbs back, 0 once done; see
+        `dynamic_scale`). A state without it (``None``, as every state saved before the
+        warm start existed) runs the plain rule, so its trajectory continues unchanged.
     """
 
     loss_scale: jax.Array
@@ -61,6 +66,7 @@ class LossScaleState(NamedTuple):
     last_finite: jax.Array
     inner_state: Any
     skip_leaves: jax.Array | None = None
+    warm_phase: jax.Array | None = None
 
 
 class ScaledValueAndGrad(NamedTuple):

@@ -134,7 +134,8 @@ def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
 def grad_scaler_values(scaler: LossScaler, state: dict[str, Any], where: str) -> dict:
     """The values a `torch.amp.GradScaler` ``state`` sets in ``scaler``, changing nothing:
     its scale (brought into this config's [min_scale, max_scale]) and growth tracker
-    (below this ``growth_interval``), a full hysteresis; skip counters stay as they are.
+    (below this ``growth_interval``), a full hysteresis, no warm start (the run is past
+    its start); skip counters stay as they are.
     GradScaler's hyperparameters are checked but not taken, as in its own load."""
     if scaler.kind != "dynamic":
         raise ValueError(f"`{where}` is a torch.amp.GradScaler state; it loads into a dynamic "
@@ -166,7 +167,7 @@ def grad_scaler_values(scaler: LossScaler, state: dict[str, Any], where: str) ->
     values = scaler.check_state(scaler.state_dict())
     values.update(loss_scale=min(max(scale, c.min_scale), c.max_scale),
                   growth_tracker=min(got["_growth_tracker"], c.growth_interval - 1),
-                  hysteresis_left=c.hysteresis)
+                  hysteresis_left=c.hysteresis, warm_phase=0)  # a run past its start
     return values
 
 

@@ -13,12 +13,19 @@ from _mpfunc_common.scale_config import (
     FLOAT32_MIN_NORMAL,
     SCALE_PRESETS,
     UPDATE_RULE,
+    WARM_CLIMB,
+    WARM_DOWN,
+    WARM_DROP,
+    WARM_OFF,
+    WARM_START,
+    WARM_UP,
     ScaleConfig,
     as_python_number,
     resolve_scale_config,
     to_float32,
 )
 from mpfunc_torch._src import fused
+from mpfunc_torch._src.scale_rule import check_config, scalar
 
 __all__ = ["LossScaler"]
 
@@ -113,16 +120,21 @@ class LossScaler:
         self._skipped = torch.zeros((), dtype=i32, device=device)
         self._consecutive = torch.zeros((), dtype=i32, device=device)
         self._last_finite = torch.ones((), dtype=torch.bool, device=device)
+        warm = config is not None and config.warm_start
+        self._warm_phase = torch.full((), WARM_START if warm else WARM_OFF, dtype=i32,
+                                      device=device)
         if config is not None:
             self._growth = torch.tensor(config.growth_factor, dtype=f32, device=device)
             self._backoff = torch.tensor(config.backoff_factor, dtype=f32, device=device)
             self._min = torch.tensor(config.min_scale, dtype=f32, device=device)
             self._max = torch.tensor(config.max_scale, dtype=f32, device=device)
             self._hyst_full = torch.tensor(config.hysteresis, dtype=i32, device=device)
+            self._f32_max = torch.tensor(FLOAT32_MAX, dtype=f32, device=device)
             # torch's kernel has no floor; clamping its result to min_scale afterwards is
             # the same rule (the floor only ever applies to a backed-off scale).
             self._use_torch_kernel = (
-                config.hysteresis == 1
+                not config.warm_start
+                and config.hysteresis == 1
                 and math.isinf(config.max_scale)
                 and _is_power_of_two(config.growth_factor)
                 and _is_power_of_two(config.backoff_factor)
@@ -215,9 +227,31 @@ class LossScaler:
         new_scale = torch.where(finite, clean_scale, over_scale)
         new_tracker = torch.where(finite, clean_tracker, torch.zeros_like(t))
         new_hyst = torch.where(finite, clean_hyst, hyst_after)
+        if self.config.warm_start:
+            self._warm_start(finite, new_scale, new_tracker, new_hyst)
+            return
         scale.copy_(new_scale)
         tracker.copy_(new_tracker)
         hyst.copy_(new_hyst)
+
+    def _warm_start(self, finite, new_scale, new_tracker, new_hyst) -> None:
+        """The warm start of `UPDATE_RULE` over the plain rule's results (tensor ops,
+        no host sync); mpfunc's `next_scale` computes the same, bit for bit."""
+        scale, phase = self._scale, self._warm_phase
+        phase.copy_(torch.where(finite & (phase == WARM_START), WARM_OFF, phase))
+        hi = self._max if math.isfinite(self.config.max_scale) else self._f32_max
+        climbed = torch.minimum(scale * WARM_CLIMB, hi)
+        dropped = torch.maximum(scale * WARM_DROP, self._min)
+        back = torch.maximum(scale * (1 / WARM_CLIMB), self._min)
+        up = phase == WARM_UP
+        warm_scale = torch.where(finite, climbed, torch.where(up, back, dropped))
+        warm_phase = torch.where(finite, torch.where(scale < hi, WARM_UP, WARM_OFF),
+                                 torch.where(up, WARM_OFF, WARM_DOWN)).to(torch.int32)
+        warm = phase != WARM_OFF
+        scale.copy_(torch.where(warm, warm_scale, new_scale))
+        self._growth_tracker.copy_(torch.where(warm, 0, new_tracker))
+        self._hysteresis_left.copy_(torch.where(warm, self._hyst_full, new_hyst))
+        phase.copy_(torch.where(warm, warm_phase, WARM_OFF))
 
     def metrics(self, as_python: bool = False) -> dict[str, Any]:
         """``loss_scale``, ``skipped_steps``, ``consecutive_skips``, ``last_finite``: device
@@ -241,8 +275,10 @@ class LossScaler:
         """The state, loadable with ``torch.load(..., weights_only=True)``.
 
         Keys: ``kind``, ``loss_scale``, ``growth_tracker``, ``hysteresis_left``,
-        ``skipped_steps``, ``consecutive_skips``, ``last_finite`` (0-dim tensors) and
-        ``config`` (the hyperparameters it was saved with, a dict of numbers, or None).
+        ``skipped_steps``, ``consecutive_skips``, ``last_finite``, ``warm_phase`` (0-dim
+        tensors) and ``config`` (the hyperparameters it was saved with, a dict, or None).
+        A state without ``warm_phase`` (saved before the warm start existed) loads as
+        done (0), so its trajectory continues unchanged.
         `load_state_dict` restores the state but keeps the loading scaler's own
         hyperparameters, so a run may resume with a changed config (as GradScaler does).
         """
@@ -254,6 +290,7 @@ class LossScaler:
             "skipped_steps": self._skipped.detach().clone(),
             "consecutive_skips": self._consecutive.detach().clone(),
             "last_finite": self._last_finite.detach().clone(),
+            "warm_phase": self._warm_phase.detach().clone(),
             "config": None if self.config is None else {
                 k: getattr(self.config, k) for k in self.config.__dataclass_fields__
             },
@@ -287,10 +324,10 @@ class LossScaler:
         if state["kind"] != self.kind:
             raise ValueError(f"`{where}['kind']`: saved {state['kind']!r}, this scaler is "
                              f"{self.kind!r}; a checkpoint loads into the same kind of scale.")
-        saved_cfg = _check_config(state["config"], self.kind, f"{where}['config']")
+        saved_cfg = check_config(state["config"], self.kind, f"{where}['config']")
 
         def number(key, integer):
-            return _scalar(state[key], f"{where}[{key!r}]", integer)
+            return scalar(state[key], f"{where}[{key!r}]", integer)
 
         scale = number("loss_scale", False)
         lo, hi = FLOAT32_MIN_NORMAL, FLOAT32_MAX
@@ -317,60 +354,31 @@ class LossScaler:
         if not isinstance(last, bool) or last != (consecutive == 0):
             raise ValueError(f"`{where}['last_finite']` must be a bool, True exactly when "
                              f"consecutive_skips is 0, got {state['last_finite']!r}.")
+        warm = number("warm_phase", True) if "warm_phase" in state else WARM_OFF
+        if not WARM_OFF <= warm <= WARM_UP or (
+                warm != WARM_OFF and not (saved_cfg or {}).get("warm_start", False)):
+            raise ValueError(f"`{where}['warm_phase']` must be an int in [{WARM_OFF}, "
+                             f"{WARM_UP}], and {WARM_OFF} unless the saved config has "
+                             f"warm_start=True, got {state['warm_phase']!r}.")
         if self.kind == "dynamic":
             c = self.config
             scale = min(max(scale, c.min_scale), c.max_scale)
             tracker, hyst_left = min(tracker, c.growth_interval - 1), min(hyst_left, c.hysteresis)
+            warm = warm if c.warm_start else WARM_OFF
         else:
             scale, tracker, hyst_left = self._static, 0, 1
         return {"loss_scale": scale, "growth_tracker": tracker, "hysteresis_left": hyst_left,
-                "skipped_steps": skipped, "consecutive_skips": consecutive, "last_finite": last}
+                "skipped_steps": skipped, "consecutive_skips": consecutive, "last_finite": last,
+                "warm_phase": warm}
 
     def _apply(self, values: dict[str, Any]) -> None:
         for key, dst in (("loss_scale", self._scale), ("growth_tracker", self._growth_tracker),
                          ("hysteresis_left", self._hysteresis_left),
                          ("skipped_steps", self._skipped),
                          ("consecutive_skips", self._consecutive),
-                         ("last_finite", self._last_finite)):
+                         ("last_finite", self._last_finite),
+                         ("warm_phase", self._warm_phase)):
             dst.fill_(values[key])
-
-
-def _scalar(value: Any, name: str, integer: bool) -> float | int:
-    """A state value (0-dim tensor or Python number) as a Python number, or ValueError."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
-            raise ValueError(f"`{name}` must be a real 0-dim tensor, got {value.dtype} with "
-                             f"shape {tuple(value.shape)}.")
-        value = value.item()
-    try:
-        out = as_python_number(name, value, integer=integer)
-    except TypeError as e:
-        raise ValueError(str(e)) from None
-    if not integer and math.isfinite(out) and out != to_float32(out):
-        raise ValueError(f"`{name}` must be a float32 value, got {value!r}.")
-    return out
-
-
-def _check_config(cfg: Any, kind: str, name: str) -> dict[str, Any] | None:
-    if kind != "dynamic":
-        if cfg is not None:
-            raise ValueError(f"`{name}` must be None for a {kind} scale, got {cfg!r}.")
-        return None
-    fields = ScaleConfig.__dataclass_fields__
-    if not isinstance(cfg, Mapping) or set(cfg) != set(fields):
-        raise ValueError(f"`{name}` must be a dict with keys {sorted(fields)}, got {cfg!r}.")
-    out = {}
-    for key in fields:
-        integer = key in ("growth_interval", "hysteresis")
-        try:
-            out[key] = as_python_number(key, cfg[key], integer=integer)
-        except TypeError as e:
-            raise ValueError(f"`{name}['{key}']`: {e}") from None
-        if integer and not 1 <= out[key] <= _INT32_MAX:
-            raise ValueError(f"`{name}['{key}']` must be an int >= 1, got {cfg[key]!r}.")
-    if math.isnan(out["min_scale"]) or math.isnan(out["max_scale"]):
-        raise ValueError(f"`{name}` has a NaN bound: {cfg!r}.")
-    return out
 
 
 LossScaler.__doc__ = LossScaler.__doc__.format(rule=UPDATE_RULE)

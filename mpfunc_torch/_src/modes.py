@@ -200,9 +200,12 @@ def convert_to_amp(
             master_weights, loss_scale, cast_model_outputs, num_losses, verbosity,
             min_loss_scale, max_loss_scale.
     naive   every param float16, float32 master weights, losses, softmax and norms
-            in float32 (as O2), dynamic scale with the ``"naive"`` preset (hysteresis 2). Keys: log_num_zeros_in_grad,
-            initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
-            hysteresis, max_scale, clip_grad, verbose.
+            in float32 (as O2), dynamic scale with the ``"naive"`` preset (hysteresis 2)
+            and a warm start (at most 3 steps skipped at the start, from 2**32;
+            ``warm_start=False``: Colossal-AI's exact trajectory). Keys:
+            log_num_zeros_in_grad, initial_scale, min_scale, growth_factor,
+            backoff_factor, growth_interval, hysteresis, max_scale, clip_grad, verbose,
+            warm_start.
     bf16    ``torch.autocast`` to bfloat16, no loss scaling (non-finite steps are still
             skipped).
     fp8     bf16, with every ``nn.Linear`` swapped for an `Fp8Linear` (see
