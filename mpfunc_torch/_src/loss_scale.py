@@ -12,7 +12,6 @@ from _mpfunc_common.scale_config import (
     FLOAT32_MAX,
     FLOAT32_MIN_NORMAL,
     SCALE_PRESETS,
-    UPDATE_RULE,
     ScaleConfig,
     as_python_number,
     resolve_scale_config,
@@ -50,7 +49,30 @@ class LossScaler:
 
     .. code-block:: python
 
-{rule}
+        # once per optimizer step; finite = every gradient leaf is finite (on every shard)
+        if not finite:                                   # the step is skipped
+            growth_tracker = 0
+            hysteresis_left = max(hysteresis_left - 1, 0)
+            if hysteresis_left == 0:
+                loss_scale = max(loss_scale * backoff_factor, min_scale)
+        else:
+            growth_tracker += 1
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                hysteresis_left = hysteresis              # refills only when the scale grows
+                grown = min(loss_scale * growth_factor, max_scale)
+                if isfinite(grown):
+                    loss_scale = grown
+
+    All arithmetic is float32: every hyperparameter is rounded to float32 once, at
+    construction (a value that does not survive that rounding is a ValueError), and each
+    product is rounded to the nearest float32. With power-of-two factors every product
+    is exact, which is why the presets reproduce their anchors bit for bit. The initial
+    scale is min(init_scale, max_scale), as apex does. min_scale defaults to 1.0 and is
+    at least 2**-126 (the smallest normal float32), so the scale is never 0, subnormal,
+    inf or NaN; GradScaler and apex have no floor and follow the same trajectory as
+    long as theirs stays >= 1.
+
     Where the rule reduces to torch's GradScaler (hysteresis 1, no ceiling, power-of-two
     factors) the update runs as torch's single fused kernel followed by the floor; the
     result is the same bit for bit. ``consecutive_skips`` counts the skipped steps since
@@ -68,7 +90,7 @@ class LossScaler:
       >>> s = LossScaler("dynamic")
       >>> s.update(torch.tensor(1.0))  # an overflow
       >>> s.metrics(as_python=True)
-      {{'loss_scale': 32768.0, 'skipped_steps': 1, 'consecutive_skips': 1, 'last_finite': False}}
+      {'loss_scale': 32768.0, 'skipped_steps': 1, 'consecutive_skips': 1, 'last_finite': False}
     """
 
     def __init__(
@@ -373,4 +395,3 @@ def _check_config(cfg: Any, kind: str, name: str) -> dict[str, Any] | None:
     return out
 
 
-LossScaler.__doc__ = LossScaler.__doc__.format(rule=UPDATE_RULE)
