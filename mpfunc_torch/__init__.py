@@ -22,6 +22,7 @@ from _mpfunc_common.mixed_precision import (
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
 )
+from _mpfunc_common.scale_config import ScaleConfig
 from mpfunc_torch._src.autocast import checkpoint_context_fn
 from mpfunc_torch._src.booster import backward, boost
 from mpfunc_torch._src.checkpoint_convert import convert_checkpoint
@@ -53,6 +54,7 @@ __all__ = [
     "LossScaler",
     "NonfiniteWatch",
     "PrecisionReport",
+    "ScaleConfig",
     "backward",
     "boost",
     "checkpoint_context_fn",

@@ -112,9 +112,9 @@ class LossScaler:
                 config = resolve_scale_config(config or "torch")
             elif not isinstance(config, ScaleConfig):
                 raise TypeError(
-                    "`config` must be a ScaleConfig (from "
-                    "_mpfunc_common.scale_config.resolve_scale_config(preset, **overrides)) "
-                    f"or a preset name, got {type(config).__name__}: {config!r}.")
+                    "`config` must be a ScaleConfig (mpfunc_torch.ScaleConfig.from_preset("
+                    "preset, **overrides)) or a preset name, got "
+                    f"{type(config).__name__}: {config!r}.")
         static = to_float32(as_python_number("static_scale", static_scale))
         if not FLOAT32_MIN_NORMAL <= static <= FLOAT32_MAX:
             raise ValueError("`static_scale` must be a normal float32 in [2**-126, 3.4e38], "
@@ -152,6 +152,7 @@ class LossScaler:
 
     @property
     def device(self) -> torch.device:
+        """Where the state tensors live."""
         return self._scale.device
 
     @property
@@ -161,14 +162,17 @@ class LossScaler:
 
     @property
     def skipped_steps(self) -> torch.Tensor:
+        """Steps skipped so far, an int32 0-dim device tensor (saturates at 2**31 - 1)."""
         return self._skipped
 
     @property
     def consecutive_skips(self) -> torch.Tensor:
+        """Skipped steps since the last finite one, an int32 0-dim device tensor."""
         return self._consecutive
 
     @property
     def last_finite(self) -> torch.Tensor:
+        """Whether the last step's gradients were finite, a bool 0-dim device tensor."""
         return self._last_finite
 
     @property
@@ -266,7 +270,7 @@ class LossScaler:
         ``skipped_steps``, ``consecutive_skips``, ``last_finite`` (0-dim tensors) and
         ``config`` (the hyperparameters it was saved with, a dict of numbers, or None).
         `load_state_dict` restores the state but keeps the loading scaler's own
-        hyperparameters, so a run may resume with a changed config (as GradScaler does).
+        hyperparameters, so a run may resume with a changed config.
         """
         return {
             "kind": self.kind,
@@ -285,10 +289,13 @@ class LossScaler:
         """Restores a `state_dict`, all or nothing: every value is checked first.
 
         The state (scale, trackers, skip counters) is loaded; the hyperparameters stay
-        this scaler's own, as in ``torch.amp.GradScaler.load_state_dict`` and on the JAX
-        side. Where the saved state does not fit them, it is brought inside: the scale is
-        clamped to [min_scale, max_scale], the growth tracker to ``growth_interval - 1``
-        and ``hysteresis_left`` to ``hysteresis``. A static or unit scaler keeps its scale.
+        this scaler's own, as on the JAX side (where they live in the transformation, not
+        the state), so a run may resume with a changed config. This differs from
+        ``torch.amp.GradScaler.load_state_dict``, which takes the saved growth and
+        backoff factors and growth interval. Where the saved state does not fit this
+        scaler's config, it is brought inside: the scale is clamped to [min_scale,
+        max_scale], the growth tracker to ``growth_interval - 1`` and ``hysteresis_left``
+        to ``hysteresis``. A static or unit scaler keeps its scale.
 
         Raises:
           ValueError: a missing key, another kind, or a value that no scaler can hold

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from _mpfunc_common.amp_config import AmpPlan
+from mpfunc_torch._src import fused
 from mpfunc_torch._src.autocast import Fp32Functions, HalfModelFp32Functions, function_mode
 from mpfunc_torch._src.sharding import cast_module_, is_dtensor
 
@@ -126,12 +127,8 @@ class _AmpForward:
 def _uncompiled(module: nn.Module) -> nn.Module:
     """The module inside ``torch.compile(module)``: converting it puts the casts and
     autocast regions into the compiled graph."""
-    while "_orig_mod" in module._modules:
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        if not isinstance(module, OptimizedModule):
-            break
-        module = module._modules["_orig_mod"]
+    while (inner := fused.compiled_inner(module)) is not None:
+        module = inner
     return module
 
 
