@@ -167,6 +167,8 @@ class AmpModel(nn.Module):
         self.register_load_state_dict_pre_hook(_nest_keys)
 
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward in the mode's precision (checks, at the first
+        call, that the params were not sharded after conversion)."""
         if self._converted_params is not None and not torch.compiler.is_compiling():
             refuse_sharded_after_conversion(self.module, self._converted_params)
             self._converted_params = None
@@ -201,9 +203,13 @@ class AmpModel(nn.Module):
         return sorted(set(super().__dir__()) | set(dir(inner) if inner is not None else ()))
 
     def state_dict(self, *args, **kwargs):
+        """The wrapped module's ``state_dict`` (its keys, no ``module.`` prefix): the
+        float32 masters' values where the mode keeps master weights."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads into the wrapped module, as ``nn.Module.load_state_dict``; with master
+        weights the values become the masters exactly (see docs/checkpoints.md)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
@@ -228,6 +234,7 @@ class AmpCriterion(nn.Module):
         self.device_type = device_type
 
     def forward(self, *args, **kwargs):
+        """The criterion on float32 inputs, with autocast off."""
         args, kwargs = cast_floats((args, kwargs), torch.float32)
         with torch.autocast(self.device_type, enabled=False):
             return self.criterion(*args, **kwargs)

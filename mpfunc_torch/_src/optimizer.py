@@ -157,6 +157,12 @@ class AmpOptimizer(WrappedOptimizer):
     # -- the torch optimizer interface (the rest is WrappedOptimizer's) --------------------
     @_eager
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group`` on the wrapped optimizer.
+
+        Raises:
+          RuntimeError: in a mode with master weights (give every param before
+            `convert_to_amp`).
+        """
         if self._pairs:
             raise RuntimeError("add_param_group is not supported with master weights; "
                                "give the optimizer every param before convert_to_amp (a "
