@@ -65,6 +65,9 @@ MATRIX_TESTS ?= mpfunc mpfunc_torch _mpfunc_common tests/test_public_api.py \
 	tests/test_lightning_plugin.py tests/test_hf_transformers.py tests/test_readme.py \
 	tests/test_fp8_torch.py tests/test_fp8_fused.py tests/test_torch_checkpoint.py \
 	tests/test_torch_resume.py
+# On torch 2.11 (the oldest) a compiled step differs from eager (see
+# docs/known-limits.md), so test-oldest leaves the torch.compile tests out.
+OLDEST_TESTS ?= $(filter-out tests/test_torch_compile.py,$(MATRIX_TESTS))
 LATEST_VENV ?= .venv-latest
 OLDEST_VENV ?= .venv-oldest
 VERSIONS := import importlib.metadata as m; print(', '.join(f'{d} {m.version(d)}' for d in \
@@ -85,7 +88,7 @@ test-oldest:
 	time $(OLDEST_VENV)/bin/python -m pip install --quiet -c constraints-oldest.txt \
 		-e '.[dev]'
 	$(OLDEST_VENV)/bin/python -c "$(VERSIONS)"
-	time $(OLDEST_VENV)/bin/python -m pytest $(PYTEST_ARGS) -m "not slow" $(MATRIX_TESTS)
+	time $(OLDEST_VENV)/bin/python -m pytest $(PYTEST_ARGS) -m "not slow" $(OLDEST_TESTS)
 
 WHEEL_TMP ?= build/wheel-check
 test-wheel: $(STAMP)

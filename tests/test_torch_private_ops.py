@@ -69,6 +69,21 @@ def test_scaled_mm_is_the_dequantised_product():
 
 @pytest.mark.filterwarnings(  # torch 2.13's own import path when dynamo loads
     "ignore:.*torch.jit.script_method. is deprecated:DeprecationWarning")
+def test_rowwise_scales_on_cpu_follow_the_installed_kernel():
+    # torch 2.11's CPU _scaled_mm takes per-tensor scales only; 2.13's takes rows too.
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version <= (2, 11):
+        assert not fused.cpu_scaled_mm_rowwise()
+    elif version >= (2, 13):
+        assert fused.cpu_scaled_mm_rowwise()
+    q = torch.ones(16, 32).to(torch.float8_e4m3fn)
+    fits = fused.scaled_mm_fits(q, q, (1, None), torch.bfloat16)
+    assert fits == fused.cpu_scaled_mm_rowwise()  # else the emulation runs
+    assert fused.scaled_mm_fits(q, q, None, torch.bfloat16)  # tensorwise: always
+
+
+@pytest.mark.filterwarnings(  # torch 2.13's own import path when dynamo loads
+    "ignore:.*torch.jit.script_method. is deprecated:DeprecationWarning")
 def test_compiled_inner_looks_inside_torch_compile_without_compiling():
     net = torch.nn.Linear(2, 2)
     assert fused.compiled_inner(net) is None

@@ -42,6 +42,7 @@ __all__ = [
     "scaled_mm",
     "scaled_mm_available",
     "scaled_mm_fits",
+    "cpu_scaled_mm_rowwise",
 ]
 
 
@@ -326,16 +327,36 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     return out.to(out_dtype)
 
 
+_CPU_ROWWISE: list[bool] = []
+
+
+def cpu_scaled_mm_rowwise() -> bool:
+    """Whether the installed torch's CPU ``_scaled_mm`` takes row-wise scales (2.13's
+    does; 2.11's takes per-tensor scales only). Asked once, on a 16 x 16 product."""
+    if not _CPU_ROWWISE:
+        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        s = torch.ones(16, 1)
+        try:
+            torch._scaled_mm(a, a.t(), s, s.t(), out_dtype=torch.bfloat16)
+            _CPU_ROWWISE.append(True)
+        except RuntimeError:
+            _CPU_ROWWISE.append(False)
+    return _CPU_ROWWISE[0]
+
+
 def scaled_mm_fits(a: torch.Tensor, b: torch.Tensor, block, out_dtype) -> bool:
     """Whether `scaled_mm` takes these fp8 operands (``block``: the recipe's, for ``a``).
 
     Tensorwise everywhere ``_scaled_mm`` runs; rowwise on CUDA only with compute
     capability >= 9.0 (the rowwise kernels are Hopper's; on Ada it is emulated) and on
-    CPU (torch's reference kernel, for tests); blockwise never (emulated).
+    CPU where torch's reference kernel takes row-wise scales (`cpu_scaled_mm_rowwise`;
+    used in tests); blockwise never (emulated).
     """
     if block is not None and block != (1, None):
         return False  # blockwise: emulated (its cuBLAS kernels are not wrapped yet)
     if block == (1, None) and a.device.type == "cuda" and _capability(a.device) < (9, 0):
+        return False
+    if block == (1, None) and a.device.type == "cpu" and not cpu_scaled_mm_rowwise():
         return False
     if a.dtype == b.dtype == torch.float8_e5m2:
         return False  # cuBLASLt has no e5m2 x e5m2 GEMM (format="e5m2"): emulated
