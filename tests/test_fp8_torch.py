@@ -209,7 +209,8 @@ def test_blockwise_and_odd_shapes_fall_back_to_the_emulation(monkeypatch):
 
 def test_rowwise_scaled_mm_only_on_hopper_and_newer(monkeypatch):
     # cuBLAS's rowwise fp8 GEMM is Hopper's (sm90+): on Ada (sm89) rowwise is emulated,
-    # tensorwise is not; torch's CPU reference kernel takes both (tests).
+    # tensorwise is not; torch's CPU reference kernel takes both from torch 2.13 on
+    # (tests; 2.11's takes per-tensor scales only).
     from types import SimpleNamespace
 
     from mpfunc_torch._src import fused
@@ -223,7 +224,10 @@ def test_rowwise_scaled_mm_only_on_hopper_and_newer(monkeypatch):
         a = operand("cuda")
         assert fused.scaled_mm_fits(a, a, (1, None), torch.bfloat16) is rowwise
         assert fused.scaled_mm_fits(a, a, None, torch.bfloat16)
-    assert fused.scaled_mm_fits(operand("cpu"), operand("cpu"), (1, None), torch.bfloat16)
+    cpu = operand("cpu")
+    assert fused.scaled_mm_fits(cpu, cpu, (1, None), torch.bfloat16) is \
+        fused.cpu_scaled_mm_rowwise()
+    assert fused.scaled_mm_fits(cpu, cpu, None, torch.bfloat16)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -355,7 +355,7 @@ def test_ci_runs_every_step_in_a_clone_named_mpfunc(tmp_path):
     assert out.returncode == 0, out.stderr
     runs = [line.split(" ", 1) for line in log.read_text().splitlines()]
     assert [target for _, target in runs] == ["test", "test-slow", "lint", "docs",
-                                              "test-latest", "test-wheel"]
+                                              "test-latest", "test-oldest", "test-wheel"]
     assert {Path(where).name for where, _ in runs} == {"mpfunc"}
     assert {Path(where).parent.parent for where, _ in runs} == {tmp}
     assert list(tmp.iterdir()) == []  # the clone is gone
