@@ -215,6 +215,7 @@ class Fp8Recipe:
         return (b, b) if role == "weight" else (1, b)
 
     def describe(self) -> str:
+        """The recipe in one line, as `Fp8Linear` and the mode plans print it."""
         parts = [f"scaling={self.scaling}", f"format={self.format} "
                  f"({self.forward_dtype} forward, {self.backward_dtype} backward)"]
         if self.delayed:

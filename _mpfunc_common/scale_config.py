@@ -11,6 +11,9 @@ import math
 import numbers
 import struct
 from collections.abc import Mapping
+from typing import Any
+
+from _mpfunc_common.suggest import did_you_mean
 
 __all__ = [
     "ScaleConfig",
@@ -107,10 +110,17 @@ UPDATE_RULE = """\
 class ScaleConfig:
     """Hyperparameters of the dynamic loss-scale rule (see `UPDATE_RULE`).
 
-    Every float is a float32 value (rounded once by `resolve_scale_config`).
-    ``max_scale=inf`` means no ceiling; there is always a floor, ``min_scale`` >= 2**-126.
+    Build one with `from_preset` (``mpfunc_torch.ScaleConfig.from_preset``, for
+    ``LossScaler(config=...)``), which rounds every float to float32 once and checks it;
+    the fields are ``mpfunc.dynamic_scale``'s keyword arguments. ``max_scale=inf``
+    means no ceiling; there is always a floor, ``min_scale`` >= 2**-126.
     ``warm_start``: search down, then up, for the scale until the first overflow after a
     finite step (see `UPDATE_RULE`); False in every preset, True in naive mode.
+
+    Examples:
+      >>> cfg = ScaleConfig.from_preset("naive", growth_interval=500)
+      >>> cfg.init_scale, cfg.growth_interval, cfg.hysteresis, cfg.warm_start
+      (4294967296.0, 500, 2, False)
     """
 
     init_scale: float
@@ -122,8 +132,26 @@ class ScaleConfig:
     max_scale: float
     warm_start: bool = False
 
+    @classmethod
+    def from_preset(cls, preset: str = "torch", **overrides: Any) -> ScaleConfig:
+        """The preset's config (``"torch"``, ``"apex"``, ``"naive"`` or ``"jmp"``) with
+        the given fields overridden: ``init_scale``, ``growth_factor``,
+        ``backoff_factor``, ``growth_interval``, ``hysteresis``, ``min_scale``,
+        ``max_scale``, ``warm_start``. Floats are rounded to float32 once and checked after rounding.
+
+        Raises:
+          ValueError: an unknown preset or field, or a value out of its range (named).
+          TypeError: a value of the wrong type.
+        """
+        unknown = sorted(set(overrides) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"`{unknown[0]}` is not a loss-scale field; the fields are "
+                             f"{list(_FIELDS)}{did_you_mean(unknown, _FIELDS)}.")
+        return resolve_scale_config(preset, **overrides)
+
     @property
     def initial_scale(self) -> float:
+        """The scale a fresh state starts at: ``min(init_scale, max_scale)``."""
         return min(self.init_scale, self.max_scale)
 
     @property
@@ -132,6 +160,8 @@ class ScaleConfig:
         and can turn a finite gradient into an inf (so a check after unscaling is due)."""
         return self.min_scale < 1.0 or self.initial_scale < 1.0
 
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(ScaleConfig))
 
 SCALE_PRESETS: dict[str, ScaleConfig] = {
     # torch.amp.GradScaler defaults (GradScaler has no floor; ours is 1.0).

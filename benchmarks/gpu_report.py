@@ -116,7 +116,7 @@ def collect_env(dry_run):
         "device": device,
         "versions": versions,
         "git": git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "dry_run": dry_run,
         "platform": platform.platform(),
         "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS",

@@ -21,7 +21,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 project = "mpfunc"
 author = "mpfunc developers"
 copyright = "2026, mpfunc developers"  # noqa: A001 - Sphinx's name
-release = version = "0.1.0"
+from _mpfunc_common.version import __version__  # noqa: E402 - ROOT is on sys.path now
+
+release = version = __version__
 
 extensions = [
     "myst_parser",

@@ -23,6 +23,7 @@ from _mpfunc_common.mixed_precision import (
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
 )
+from _mpfunc_common.version import __version__ as __version__
 from mpfunc._src.autocast import AutocastLists, autocast
 from mpfunc._src.checkpoint_convert import convert_checkpoint
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
@@ -64,8 +65,6 @@ from mpfunc._src.scale_state import (
     value_and_grad,
 )
 from mpfunc._src.sharding import state_sharding
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AmpSetup",

@@ -22,6 +22,8 @@ from _mpfunc_common.mixed_precision import (
     FP16NaiveMixedPrecision,
     FP16TorchMixedPrecision,
 )
+from _mpfunc_common.scale_config import ScaleConfig
+from _mpfunc_common.version import __version__ as __version__
 from mpfunc_torch._src.autocast import checkpoint_context_fn
 from mpfunc_torch._src.booster import backward, boost
 from mpfunc_torch._src.checkpoint_convert import convert_checkpoint
@@ -35,8 +37,6 @@ from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
 from mpfunc_torch._src.nonfinite_watch import NonfiniteWatch, watch_nonfinite
 from mpfunc_torch._src.optimizer import AmpOptimizer
 from mpfunc_torch._src.precision_report import PrecisionReport, precision_report
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AMP_TYPE",
@@ -53,6 +53,7 @@ __all__ = [
     "LossScaler",
     "NonfiniteWatch",
     "PrecisionReport",
+    "ScaleConfig",
     "backward",
     "boost",
     "checkpoint_context_fn",

@@ -22,11 +22,15 @@ if "MPFUNC_JAX_CACHE" not in os.environ:
     os.environ["MPFUNC_JAX_CACHE"] = tempfile.mkdtemp(prefix="mpfunc-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["MPFUNC_JAX_CACHE"], True)
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-jax.config.update("jax_numpy_dtype_promotion", "strict")
+try:  # a torch-only install (the `torch` extra alone) runs the torch tests without JAX
+    import jax
+except ModuleNotFoundError:
+    jax = None
+else:
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 # Entry points of the multi-process tests (run as scripts, never imported).
 collect_ignore = ["mp_jax_worker.py", "torch_dist_worker.py", "torch_scaleout_worker.py",
@@ -40,7 +44,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(autouse=True)
 def _strict_promotion():
     # Re-assert per test: a test that flips it must not leak into the next one.
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    if jax is not None:
+        jax.config.update("jax_numpy_dtype_promotion", "strict")
     yield
 
 

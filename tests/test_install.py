@@ -354,7 +354,92 @@ def test_ci_runs_every_step_in_a_clone_named_mpfunc(tmp_path):
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     runs = [line.split(" ", 1) for line in log.read_text().splitlines()]
-    assert [target for _, target in runs] == ["test", "test-slow", "lint", "docs"]
+    assert [target for _, target in runs] == ["test", "test-slow", "lint", "docs",
+                                              "test-latest", "test-oldest", "test-wheel"]
     assert {Path(where).name for where, _ in runs} == {"mpfunc"}
     assert {Path(where).parent.parent for where, _ in runs} == {tmp}
     assert list(tmp.iterdir()) == []  # the clone is gone
+
+
+def test_pytest_collects_without_triton_and_skips_its_module_saying_why():
+    # The doctest collector imports every module; fp8_triton.py imports Triton, which
+    # only the `triton` extra (or a CUDA torch) brings. Without it the run goes on.
+    out = run_without("triton", """
+        import pytest
+        rc = pytest.main(["-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-rs",
+                          "mpfunc_torch/_src/fp8_triton.py", "mpfunc_torch/_src/loss_scale.py"])
+        raise SystemExit(int(rc))
+    """)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert ("SKIPPED [1] conftest.py:25: mpfunc_torch/_src/fp8_triton.py: No module named "
+            "'triton' (the `triton` extra)") in out.stdout
+    assert " passed" in out.stdout  # the other module's doctests still ran
+
+
+def test_one_version_read_by_both_packages_the_metadata_and_the_docs():
+    import tomllib
+
+    from _mpfunc_common.version import __version__
+
+    assert re.fullmatch(r"\d+\.\d+\.\d+", __version__)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["dynamic"] == ["version"] and "version" not in pyproject["project"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "_mpfunc_common.version.__version__"}
+    out = run_without("", """
+        import mpfunc, mpfunc_torch, runpy
+        conf = runpy.run_path("docs/conf.py")
+        print(mpfunc.__version__, mpfunc_torch.__version__, conf["release"])
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [__version__] * 3
+    # Nowhere else: a second copy would drift.
+    copies = [p for p in ROOT.glob("*/*.py") if re.search(
+        r"^(__version__|release|version)\s*=\s*[\"']\d", p.read_text(), re.M)]
+    assert [p.relative_to(ROOT).as_posix() for p in copies] == ["_mpfunc_common/version.py"]
+
+
+def test_the_changelog_has_the_current_version():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    from _mpfunc_common.version import __version__
+
+    assert "## [Unreleased]" in text and "Semantic Versioning" in text
+    # Not yet published: the version the packages report is named as the first release.
+    assert f"The first release will be {__version__}" in " ".join(text.split())
+
+
+def test_typed_packages_and_python_classifiers():
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project, tool = pyproject["project"], pyproject["tool"]
+    for package in ("mpfunc", "mpfunc_torch", "_mpfunc_common"):
+        assert (ROOT / package / "py.typed").exists()
+        assert tool["setuptools"]["package-data"][package] == ["py.typed"]
+    assert "Typing :: Typed" in project["classifiers"]
+    low = re.fullmatch(r">=3\.(\d+)", project["requires-python"]).group(1)
+    versions = sorted(int(c.rsplit(".", 1)[1]) for c in project["classifiers"]
+                      if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c))
+    assert versions[0] == int(low), (low, versions)
+    assert "/tree/" not in project["urls"]["Documentation"]  # the site, not a source folder
+
+
+def test_every_lower_bound_is_pinned_in_the_oldest_constraints():
+    # make test-oldest installs constraints-oldest.txt: what pyproject's `>=` bounds of
+    # the runtime extras claim must be what that environment runs.
+    project = _pyproject()
+    pins = dict(line.split("==") for line in
+                (ROOT / "constraints-oldest.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    runtime = ["jax", "flax", "torch", "triton", "lightning", "hf"]
+    bounds = {}
+    for req in [*project["dependencies"], *(r for e in runtime for r in _expanded(e, project))]:
+        m = re.fullmatch(r"([A-Za-z0-9_.\-\[\]]+?)(?:\[.*\])?>=([\d.]+)(;.*)?", req.replace(" ", ""))
+        if m:
+            bounds[_name(m.group(1))] = m.group(2)
+    assert {"numpy", "jax", "optax", "flax", "torch", "transformers"} <= set(bounds)
+    for name, low in bounds.items():
+        pinned = pins.get(name)
+        assert pinned is not None, f"{name}>={low} has no pin in constraints-oldest.txt"
+        assert pinned.split(".")[:len(low.split("."))] == low.split(".") or \
+            pinned == low + ".0" * (3 - len(low.split("."))), (name, low, pinned)

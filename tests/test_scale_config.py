@@ -105,19 +105,3 @@ def test_numpy_and_jax_scalars_and_integral_floats_are_accepted():
         resolve_scale_config("torch", growth_interval=5.5)
     with pytest.raises(TypeError, match="`init_scale`"):
         resolve_scale_config("torch", init_scale=np.ones(2))
-
-
-def _normalized(text):
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
-def test_both_packages_document_the_same_rule():
-    import mpfunc
-    import mpfunc_torch
-    from _mpfunc_common.scale_config import UPDATE_RULE
-
-    rule = _normalized(UPDATE_RULE)
-    for doc in (mpfunc.dynamic_scale.__doc__, mpfunc_torch.LossScaler.__doc__):
-        lines = _normalized(doc)
-        start = lines.index(rule[0])
-        assert lines[start:start + len(rule)] == rule

@@ -161,8 +161,11 @@ def test_a_failed_load_rejects_the_value_and_changes_nothing(path, value, match)
 
 
 def test_the_uncorrupted_checkpoint_loads():  # the control of the test above
-    _, opt = _trained("naive", seed=0, initial_scale=2.0**10)
-    _, other = _trained("naive", seed=1, steps=5, inject=(1,), initial_scale=2.0**10)
+    # The models stay referenced: a state_dict names the masters through a weak
+    # reference to its model, so a collected model (the garbage collector's timing
+    # depends on the tests before) would leave `master_names` None on one side.
+    net, opt = _trained("naive", seed=0, initial_scale=2.0**10)
+    other_net, other = _trained("naive", seed=1, steps=5, inject=(1,), initial_scale=2.0**10)
     opt.load_state_dict(copy.deepcopy(other.state_dict()))
     assert _same(opt.state_dict(), other.state_dict())
 

@@ -1,7 +1,5 @@
 """Tests for mpfunc_torch._src.loss_scale: the rule on torch tensors, and cross-framework parity."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -9,9 +7,19 @@ from anchors import apex_loss_scaler, assert_matches_anchor, megatron_scaler, to
 from hypothesis import given
 from hypothesis import strategies as st
 
-import mpfunc
-from _mpfunc_common.scale_config import resolve_scale_config
+import mpfunc_torch
+from _mpfunc_common.scale_config import ScaleConfig, resolve_scale_config
 from mpfunc_torch import LossScaler
+
+try:  # the JAX side, for the cross-checks only: a torch-only install skips those
+    import jax
+    import jax.numpy as jnp
+
+    import mpfunc
+except ModuleNotFoundError:
+    jax = jnp = mpfunc = None
+needs_jax = pytest.mark.skipif(mpfunc is None, reason="a cross-check with mpfunc (JAX), "
+                               "which is not installed (the `jax` extra)")
 
 MAX_STEPS = 128
 seqs = st.lists(st.booleans(), min_size=1, max_size=MAX_STEPS)
@@ -58,6 +66,7 @@ configs = st.one_of(
 )
 
 
+@needs_jax
 @given(configs, seqs)
 def test_torch_and_jax_trajectories_are_bit_identical(cfg, seq):
     preset, kw = cfg
@@ -162,6 +171,7 @@ def test_bad_arguments(kwargs, match):
         LossScaler(**kwargs)
 
 
+@needs_jax
 @pytest.mark.parametrize("preset, kw", [
     ("torch", {}),
     ("apex", {}),
@@ -252,12 +262,45 @@ def test_state_loads_into_another_config_keeping_its_hyperparameters():
     assert st.scale.item() == 4.0  # a static scale is a hyperparameter
 
 
+def test_loading_keeps_the_hyperparameters_where_gradscaler_takes_the_saved_ones():
+    # What LossScaler.load_state_dict's docstring says of GradScaler, checked on the
+    # installed torch: its load overwrites the growth factor and interval.
+    saved = torch.amp.GradScaler("cpu", growth_interval=5, growth_factor=4.0)
+    saved.scale(torch.ones(()))
+    gs = torch.amp.GradScaler("cpu", growth_interval=100, growth_factor=2.0)
+    gs.load_state_dict(saved.state_dict())
+    assert (gs.get_growth_interval(), gs.get_growth_factor()) == (5, 4.0)
+    # Ours keeps its own, and the scale follows them from the loaded state on.
+    old = LossScaler("dynamic", ScaleConfig.from_preset("torch", growth_interval=5,
+                                                        growth_factor=4.0))
+    old.update(torch.tensor(1.0))  # an overflow: 2**15
+    ours = LossScaler("dynamic", ScaleConfig.from_preset("torch", growth_interval=2))
+    ours.load_state_dict(old.state_dict())
+    assert ours.config == ScaleConfig.from_preset("torch", growth_interval=2)
+    for _ in range(2):
+        ours.update(torch.tensor(0.0))
+    assert ours.scale.item() == 2.0**16  # grown once, by 2, after 2 clean steps
+
+
+def test_scale_config_is_exported_and_built_from_a_preset():
+    assert mpfunc_torch.ScaleConfig is ScaleConfig
+    cfg = mpfunc_torch.ScaleConfig.from_preset("apex", min_scale=0.5)
+    assert cfg == resolve_scale_config("apex", min_scale=0.5)
+    assert LossScaler(config=cfg).may_go_below_one
+    with pytest.raises(ValueError, match="`growth_intervl` is not a loss-scale field.*"
+                                         "did you mean `growth_interval`"):
+        ScaleConfig.from_preset("torch", growth_intervl=3)
+    with pytest.raises(ValueError, match="preset"):
+        ScaleConfig.from_preset("tensorflow")
+
+
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(kind="static", static_scale="2"), TypeError, "`static_scale` must be a real number"),
     (dict(kind="static", static_scale=True), TypeError, "`static_scale` must be a real number"),
     (dict(kind="static", static_scale=1e39), ValueError, "`static_scale` must be a normal"),
     (dict(kind="static", static_scale=1e-40), ValueError, "`static_scale` must be a normal"),
-    (dict(config={"init_scale": 2.0}), TypeError, "`config` must be a ScaleConfig"),
+    (dict(config={"init_scale": 2.0}), TypeError,
+     r"`config` must be a ScaleConfig \(mpfunc_torch.ScaleConfig.from_preset\(preset, "),
     (dict(config="bogus"), ValueError, "`config` must be a ScaleConfig or one of"),
     (dict(device="gpu"), ValueError, "`device` must be a torch.device"),
 ])

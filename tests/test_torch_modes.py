@@ -8,6 +8,7 @@ import torch
 from torch_task import ALL_MODES, batches, fp32_losses, ids, is_o3, make_model, train
 
 import mpfunc_torch
+from mpfunc_torch._src import fused
 
 
 @pytest.mark.parametrize("mode, cfg", ALL_MODES, ids=ids)
@@ -54,27 +55,54 @@ def test_apex_verbosity_logs_the_plan_and_prints_nothing(capsys, caplog):
                                     mode="apex", opt_level="O2", verbosity=0)
     assert caplog.records == []
 
-def _fused_sgd_moves_half_params():
-    p = torch.nn.Parameter(torch.ones(1000, dtype=torch.float16))
+def _fused_sgd_moves_half_params(dtype):
+    p = torch.nn.Parameter(torch.ones(1000, dtype=dtype))
     opt = torch.optim.SGD([p], lr=0.5, fused=True)
     p.grad = torch.full_like(p, 0.1)
     opt.step()
     return bool(torch.all(p.detach() < 1))
 
 
+def _torch_version():
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about the CPU kernel")
-def test_torch_cpu_fused_sgd_half_bug_is_why_o3_refuses_it():
-    # If this starts failing, torch fixed its fused CPU SGD for half params and the guard
-    # in convert_to_amp can go.
-    assert not _fused_sgd_moves_half_params()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_o3_refuses_cpu_fused_sgd_exactly_where_torch_does_not_update_half_params(dtype):
+    # The world, on the installed torch: 2.11-2.13's fused CPU SGD moves only the last
+    # elements of a half param; 2.14 fixed it.
+    fixed = _torch_version() >= (2, 14)
+    assert _fused_sgd_moves_half_params(dtype) == fixed
+    assert fused.fused_cpu_sgd_updates_half(dtype) == fixed
+    kwargs = {"mode": "apex", "opt_level": "O3", "cast_model_type": dtype, "verbosity": 0}
     net = make_model()
-    with pytest.raises(ValueError, match="SGD\\(fused=True\\) stepping half-precision"):
-        mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1, fused=True),
-                                    mode="apex", opt_level="O3", verbosity=0)
-    assert all(p.dtype == torch.float32 for p in net.parameters())  # refused before the cast
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
+    if not fixed:
+        with pytest.raises(ValueError, match=f"SGD\\(fused=True\\) stepping {dtype} params "
+                                             "on CPU.*fixed in torch 2.14"):
+            mpfunc_torch.convert_to_amp(net, sgd, **kwargs)
+        assert all(p.dtype == torch.float32 for p in net.parameters())  # refused before the cast
+    else:  # a working setup is not refused, and it steps as the for-loop SGD does
+        stepped = []
+        for opt_kw in ({"fused": True}, {"foreach": False}):
+            net = make_model()
+            model, opt, _ = mpfunc_torch.convert_to_amp(
+                net, torch.optim.SGD(net.parameters(), lr=0.1, **opt_kw), **kwargs)
+            # every element's gradient is 1: each param moves by lr, rounded
+            opt.backward(sum(p.float().sum() for p in model.parameters()))
+            assert bool(opt.step())
+            stepped.append([p.detach().clone() for p in net.parameters()])
+        start = [p.detach().to(dtype) for p in make_model().parameters()]
+        for fused_p, loop_p, p0 in zip(*stepped, start):
+            assert fused_p.dtype == dtype and bool((fused_p != p0).all())
+            # within the roundings of p - 0.1 * 1 (the fused kernel computes in float32)
+            diff = (fused_p.float() - loop_p.float()).abs()
+            assert bool((diff <= torch.finfo(dtype).eps * (p0.float().abs() + 0.1)).all())
     net = make_model()  # with master weights the fused SGD steps float32 masters: fine
     mpfunc_torch.convert_to_amp(net, torch.optim.SGD(net.parameters(), lr=0.1, fused=True),
                                 mode="naive")
+
 
 def _bag():
     torch.manual_seed(0)

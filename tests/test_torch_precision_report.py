@@ -15,6 +15,15 @@ from _mpfunc_common.precision_report import FORMATS
 from mpfunc_torch._src import precision_report as report_module
 from mpfunc_torch._src.master_weights import master_of
 
+# The cross-checks with mpfunc (JAX) import it inside the test; a torch-only install
+# skips them.
+try:
+    import mpfunc as _mpfunc
+except ModuleNotFoundError:
+    _mpfunc = None
+needs_jax = pytest.mark.skipif(_mpfunc is None, reason="a cross-check with mpfunc (JAX), "
+                               "which is not installed (the `jax` extra)")
+
 MODES = {
     "torch": ("torch", {"init_scale": 1024.0}),
     "apex-O1": ("apex", {"opt_level": "O1", "max_loss_scale": 1024.0, "verbosity": 0}),
@@ -130,6 +139,7 @@ elements = st.one_of(
 )
 
 
+@needs_jax
 @given(values=st.lists(elements, min_size=0, max_size=40),
        scale=st.sampled_from([1.0, 3.0, 0.1, 1024.0, 2.0**16, 12345.0]),
        dtype=st.sampled_from(sorted(FORMATS)))
@@ -518,6 +528,7 @@ def test_a_recorded_fused_skip_names_the_right_param_when_some_have_no_gradient(
     assert opt.scale_metrics(skip_leaves=True)["skip_leaves"] == ["2.weight"]
 
 
+@needs_jax
 @pytest.mark.parametrize("fused", [False, True])
 def test_convert_to_amp_records_with_the_same_keyword_as_jax(fused):
     # record_skip_leaves=True in both frameworks' convert_to_amp: the two alike weights

@@ -180,10 +180,7 @@ def _varying_axes(x) -> frozenset | None:
     as ``typeof(x).vma``; outside shard_map, or with ``check_vma=False``, the set is
     empty. Adapted here, in one place.
     """
-    try:
-        t = jax.typeof(x)
-    except Exception:  # pragma: no cover - very old jax
-        return None
+    t = jax.typeof(x)
     m = getattr(t, "manual_axis_type", None)
     if m is not None:
         return frozenset(m.varying)

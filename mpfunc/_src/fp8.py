@@ -297,6 +297,4 @@ def _same_varying_axes(x, w, recipe, axis_name):
 
 
 def _to_varying(x, axes):
-    if hasattr(jax.lax, "pcast"):  # jax >= 0.8
-        return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)  # pragma: no cover - older jax
+    return jax.lax.pcast(x, axes, to="varying")

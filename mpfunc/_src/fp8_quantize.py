@@ -18,7 +18,6 @@ from _mpfunc_common.fp8 import (
     FP8_MAX,
     MAX_SCALE,
     MIN_SCALE,
-    QUANTIZE_RULE,
     check_block,
     scale_shape,
 )
@@ -141,7 +140,62 @@ def quantize_fp8(
 
     The rule (shared with torch, word for word):
 
-    {rule}
+    Each operand of each matmul is quantised with its contraction dimension last, as a
+    2-D array (leading dimensions flattened); a *block* is the set of elements that
+    share one scale: the whole tensor (tensorwise, delayed), one row (rowwise), 1x128
+    tiles of inputs and output gradients and 128x128 tiles of weights (blockwise). All
+    arithmetic is float32 (a bfloat16/float16 input is upcast exactly first). Nothing
+    is flushed: the scale range below makes every result the same whether or not the
+    hardware flushes float32 subnormals (XLA on CPU does, torch does not). Step by
+    step::
+
+        amax  = max(|x|) over the block          # a NaN counts as +inf
+        if amax is finite and amax >= 2**-126:   # a subnormal amax counts as zero
+            scale = (fp8_max / amax) / 2**margin # correctly rounded float32 divisions
+            scale = min(max(scale, 2**-126), max_scale)
+            if power_of_2_scales:
+                scale = 2**floor(log2(scale))    # mantissa bits cleared: exact
+        else:                                    # all zeros, or inf/NaN in the block
+            scale = fallback                     # 1.0 (current scaling), or the
+                                                 # previous scale (delayed scaling)
+        q = x * scale                            # float32 multiply, rounded
+        q = clamp(q, -fp8_max, fp8_max) if q is finite else q   # saturate finite values
+        q = fp8(q)                               # round to nearest, ties to even
+        dequantised = float32(q) * (1 / scale)   # the reciprocal rounded to float32
+
+    max_scale is 2**125 times the smallest fp8 subnormal (2**116 for e4m3fn, 2**109
+    for e5m2): a float32 subnormal (below 2**-126) times the scale is then below half
+    the smallest fp8 subnormal, so it becomes a zero of its sign whether it was flushed
+    first or not, and every nonzero dequantised value is at least 2**-125, a normal
+    float32.
+
+    Finite values beyond the range saturate to +-fp8_max, written out because the
+    frameworks' own casts disagree (torch's e4m3fn cast saturates, even inf; XLA's
+    gives NaN; both overflow to inf in e5m2). Non-finite values are never hidden, so an
+    overflow upstream still makes the step non-finite and the loss scale skips it: any
+    NaN becomes the positive NaN (0x7F in e4m3fn, 0x7E in e5m2); +-inf becomes +-inf in
+    e5m2 (0x7C, 0xFC) and a NaN in e4m3fn, which has no inf (0x7F, 0xFF).
+
+    A GEMM of two per-tensor or rowwise quantised operands multiplies the fp8 values
+    (exact in float32), accumulates in float32 and scales the result once:
+    out = dot(q_a, q_b) * (1/scale_a * 1/scale_b); its accumulation order is the
+    backend's, so GEMM results agree to float32 rounding, not bit for bit.
+
+    Delayed scaling (per tensor) keeps an amax history (newest first, length
+    ``amax_history_len``) and the last scale; this step's scale comes from them alone
+    (as in TransformerEngine and flax), so the cast never waits for this step's amax::
+
+        amax_used = max(history)  (or history[0] with amax_reduction="most_recent")
+        scale = rule above with amax_used, fallback = the previous scale
+                (1.0 if it is not a finite scale > 0: a fresh state, or a JAX state
+                zeroed because its matmul's output did not reach the loss)
+        history = [amax of this step's tensor] + history[:-1]   # only if finite
+
+    So the first step (an all-zero history) uses the previous scale, 1.0 when fresh.
+
+    A per-tensor amax (tensorwise, delayed) is MAX-reduced over the data-parallel group
+    (``axis_name`` in JAX, ``process_group`` in torch) before it is used or recorded,
+    so every rank has the same scales and histories. Row and tile scales are local.
 
     Args:
       x: a floating array; with a ``block`` its leading dims are flattened (the last dim
@@ -182,9 +236,6 @@ def quantize_fp8(
         if scale.shape != want:
             raise ValueError(f"`scale` must have shape {want} for this block, got {scale.shape}.")
     return quantize_with(x, scale, block, name), scale
-
-
-quantize_fp8.__doc__ = quantize_fp8.__doc__.replace("{rule}", QUANTIZE_RULE.strip())
 
 
 def dequantize_fp8(q: jax.Array, scale: jax.Array, block=None, dtype: Any = _F32) -> jax.Array:

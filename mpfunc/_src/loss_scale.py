@@ -12,7 +12,6 @@ from _mpfunc_common.amp_config import check_bool
 from _mpfunc_common.scale_config import (
     FLOAT32_MAX,
     FLOAT32_MIN_NORMAL,
-    UPDATE_RULE,
     WARM_START,
     ScaleConfig,
     as_python_number,
@@ -175,7 +174,22 @@ def _scale_transform(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-_DYNAMIC_DOC = """Dynamic loss scaling as an optax transformation.
+def dynamic_scale(
+    inner: Any = None,
+    *,
+    preset: str = "torch",
+    init_scale: float | None = None,
+    growth_factor: float | None = None,
+    backoff_factor: float | None = None,
+    growth_interval: int | None = None,
+    hysteresis: int | None = None,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    axis_name: AxisName = None,
+    record_skip_leaves: bool = False,
+    warm_start: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Dynamic loss scaling as an optax transformation.
 
     The train step multiplies its loss by the current scale (`scale_loss`), so the
     gradients reaching this transformation are scaled. It unscales them in float32,
@@ -183,7 +197,52 @@ _DYNAMIC_DOC = """Dynamic loss scaling as an optax transformation.
 
     .. code-block:: python
 
-{rule}
+        # once per optimizer step; finite = every gradient leaf is finite (on every shard)
+        if warm_phase == START and finite:               # warm_start=True only; a
+            warm_phase = OFF                             # good initial scale is kept
+        if warm_phase != OFF:                            # the warm start
+            growth_tracker, hysteresis_left = 0, hysteresis
+            top = min(max_scale, FLOAT32_MAX)
+            if finite and loss_scale == top:             # nothing above to look for
+                warm_phase = OFF
+            elif finite:                                 # climb, x4 per finite step
+                loss_scale = min(loss_scale * 4, top)
+                warm_phase = UP
+            elif warm_phase == UP:                       # the climb's first overflow:
+                loss_scale = max(loss_scale / 4, min_scale)   # the last finite scale
+                warm_phase = OFF                         # (or top / 4)
+            else:                                        # no finite step yet
+                loss_scale = max(loss_scale * 2**-16, min_scale)
+                warm_phase = DOWN
+        elif not finite:                                 # the step is skipped
+            growth_tracker = 0
+            hysteresis_left = max(hysteresis_left - 1, 0)
+            if hysteresis_left == 0:
+                loss_scale = max(loss_scale * backoff_factor, min_scale)
+        else:
+            growth_tracker += 1
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                hysteresis_left = hysteresis              # refills only when the scale grows
+                grown = min(loss_scale * growth_factor, max_scale)
+                if isfinite(grown):
+                    loss_scale = grown
+
+    All arithmetic is float32: every hyperparameter is rounded to float32 once, at
+    construction (a value that does not survive that rounding is a ValueError), and each
+    product is rounded to the nearest float32. With power-of-two factors every product
+    is exact, which is why the presets reproduce their anchors bit for bit. The initial
+    scale is min(init_scale, max_scale), as apex does. min_scale defaults to 1.0 and is
+    at least 2**-126 (the smallest normal float32), so the scale is never 0, subnormal,
+    inf or NaN; GradScaler and apex have no floor and follow the same trajectory as
+    long as theirs stays >= 1.
+
+    warm_phase starts at START with warm_start=True (naive mode's default) and at OFF
+    otherwise, where the rule is exactly Megatron's / GradScaler's. The warm start costs
+    at most 3 skipped steps from 2**32 down to any overflow threshold >= 1, and settles
+    within 2x below the scale the plain rule settles at (both on the powers of two from
+    the initial scale; within 4x otherwise).
+
     Presets (explicit arguments override them):
 
     ========  ==========  ======  =======  ========  ==========  =====  =========
@@ -260,7 +319,7 @@ _DYNAMIC_DOC = """Dynamic loss scaling as an optax transformation.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, mpfunc
-      >>> params = {{"w": jnp.ones(3)}}
+      >>> params = {"w": jnp.ones(3)}
       >>> opt = mpfunc.dynamic_scale(optax.sgd(0.1), growth_interval=2)
       >>> state = opt.init(params)
       >>> loss = lambda p: jnp.sum(p["w"] ** 2)
@@ -270,39 +329,13 @@ _DYNAMIC_DOC = """Dynamic loss scaling as an optax transformation.
       >>> float(mpfunc.loss_scale(state)), bool(state.last_finite)
       (65536.0, True)
     """
-
-
-def dynamic_scale(
-    inner: Any = None,
-    *,
-    preset: str = "torch",
-    init_scale: float | None = None,
-    growth_factor: float | None = None,
-    backoff_factor: float | None = None,
-    growth_interval: int | None = None,
-    hysteresis: int | None = None,
-    min_scale: float | None = None,
-    max_scale: float | None = None,
-    axis_name: AxisName = None,
-    record_skip_leaves: bool = False,
-    warm_start: bool = False,
-) -> optax.GradientTransformationExtraArgs:
     cfg = resolve_scale_config(
-        preset,
-        init_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        warm_start=warm_start,
-    )
+        preset, init_scale=init_scale, growth_factor=growth_factor,
+        backoff_factor=backoff_factor, growth_interval=growth_interval,
+        hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+        warm_start=warm_start)
     return _scale_transform(inner, cfg=cfg, static_value=None, axis_name=axis_name,
                             record_skip_leaves=record_skip_leaves)
-
-
-dynamic_scale.__doc__ = _DYNAMIC_DOC.format(rule=UPDATE_RULE)
 
 
 def static_scale(

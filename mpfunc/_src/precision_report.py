@@ -22,7 +22,6 @@ import numpy as np
 from jax import lax
 
 from _mpfunc_common.precision_report import (
-    LEAF_RULE,
     FloatFormat,
     check_loss_scale,
     check_report_dtype,
@@ -299,7 +298,24 @@ def precision_report(
 
     .. code-block:: python
 
-{rule}
+        # per gradient leaf g (its local shard, then reduced over the shards)
+        a = abs(float32(g))                                  # elementwise, in float32
+        nonfinite = any(not isfinite(a))                     # MAX over shards
+        amax = max(a where isfinite(a), initial=0)           # float32; MAX over shards
+        zeros = count(a == 0)                                # these three: SUM over shards
+        underflows = count(a != 0 and a <= float32(tiny(dtype) / 2) / loss_scale)
+        size = count(a)
+        # on the host, from those numbers (shared code, so both frameworks agree bit for bit)
+        zero_fraction = zeros / size                         # 0.0 for an empty leaf
+        underflow_fraction = underflows / (size - zeros)     # 0.0 when nothing is non-zero
+        headroom_bits = log2(max(dtype) / (amax * loss_scale))   # inf when amax == 0
+
+        tiny(dtype) is dtype's smallest subnormal: a scaled value at or below half of it
+        rounds to 0 in dtype (round to nearest, ties to even); the threshold is divided by
+        the scale once, in float32. A negative headroom means the scaled gradient no longer
+        fits in dtype: it would overflow to inf. Zeros are counted by their bits: XLA on
+        CPU reads a float32 subnormal as 0 in arithmetic, torch does not, so such a value
+        is an underflow (not a zero) in both.
 
     Pass unscaled gradients with the scale they are trained at (``loss_scale=state``),
     or gradients that already carry the scale (``jax.grad`` of `scale_loss`) with
@@ -332,7 +348,7 @@ def precision_report(
 
     Examples:
       >>> import jax.numpy as jnp, mpfunc
-      >>> grads = {{"a": jnp.array([1e-12, 0.5]), "b": jnp.array([jnp.inf, 1.0])}}
+      >>> grads = {"a": jnp.array([1e-12, 0.5]), "b": jnp.array([jnp.inf, 1.0])}
       >>> report = mpfunc.precision_report(grads, loss_scale=1024.0)
       >>> report.nonfinite_paths()
       ["['b']"]
@@ -362,10 +378,6 @@ def precision_report(
     return PrecisionReport(
         nonfinite=fl[:, 0] > 0, amax=fl[:, 1], zeros=counts[:, 0], underflows=counts[:, 1],
         sizes=counts[:, 2], loss_scale=scale, forward=forward, paths=paths, dtype=fmt.name)
-
-
-precision_report.__doc__ = precision_report.__doc__.format(
-    rule="\n".join("    " + ln if ln else ln for ln in LEAF_RULE.splitlines()))
 
 
 # -- which leaves made the last step skip (kept in the loss-scale state) -----------------

@@ -115,13 +115,6 @@ def _first_on_replicas(grad: torch.Tensor, marks: Sequence[Any]) -> bool:
     return True
 
 
-def _by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
-    out: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault((t.device, t.dtype), []).append(t)
-    return out
-
-
 Norms = dict[int, tuple[tuple, torch.Tensor]]  # param index -> ((device, dtype), norm)
 
 

@@ -118,9 +118,11 @@ class Fp8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` with fp8 operands, as the recipe says."""
         return fp8_linear(x, self, gemm=self.gemm)
 
     def extra_repr(self) -> str:
+        """``nn.Linear``'s, and the recipe."""
         return f"{super().extra_repr()}, recipe=({self.recipe.describe()})"
 
 

@@ -1,17 +1,23 @@
-"""The one place that calls torch's private fused AMP kernels.
+"""The one place that calls torch's private API: fused AMP kernels and dynamo's switches.
 
-* ``torch._amp_foreach_non_finite_check_and_unscale_``: one fused pass that multiplies
-  every gradient by ``inv_scale`` in place and raises ``found_inf`` if any is inf/NaN.
-  It checks each value *before* multiplying; where the scale can be below 1 the caller
-  runs a second, check-only pass (``inv_scale`` 1) after unscaling.
-* ``torch._amp_update_scale_``: torch's one-kernel GradScaler update, used only where it
-  computes exactly our rule (see `mpfunc_torch._src.loss_scale`).
-* ``torch._scaled_mm``: the fp8 GEMM (cuBLASLt) of the fp8 mode's linears on CUDA with
-  compute capability >= 8.9 (`scaled_mm`); CPU has a reference kernel, used in tests.
+Each private name is used in one wrapper here, and tests/test_torch_private_ops.py
+checks every wrapper on each torch version the project claims (the pinned, the newest
+and the oldest; see the Makefile's test-latest and test-oldest):
 
-Both exist on CPU and CUDA in every torch this project supports (>= 2.11). Sparse
-gradients are handled through their (coalesced) values, complex ones through their
-real view, so both real and imaginary parts are unscaled and checked.
+* ``torch._amp_foreach_non_finite_check_and_unscale_`` (`_check_and_unscale_`): one
+  fused pass that multiplies every gradient by ``inv_scale`` in place and raises
+  ``found_inf`` if any is inf/NaN. It checks each value *before* multiplying; where the
+  scale can be below 1 the caller runs a second, check-only pass (``inv_scale`` 1).
+* ``torch._amp_update_scale_`` (`update_scale_`): torch's one-kernel GradScaler update,
+  used only where it computes exactly our rule (see `mpfunc_torch._src.loss_scale`).
+* ``torch._scaled_mm`` (`scaled_mm`): the fp8 GEMM (cuBLASLt) of the fp8 mode's linears
+  on CUDA with compute capability >= 8.9; CPU has a reference kernel, used in tests.
+* ``torch._disable_dynamo`` (`eager`) and ``torch._dynamo.eval_frame.OptimizedModule``
+  (`compiled_inner`): run a method outside dynamo, and look inside
+  ``torch.compile(module)``.
+
+Sparse gradients are handled through their (coalesced) values, complex ones through
+their real view, so both real and imaginary parts are unscaled and checked.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from collections.abc import Iterable, Sequence
 import torch
 
 __all__ = [
+    "eager",
+    "compiled_inner",
+    "fused_cpu_sgd_updates_half",
     "unscale_and_check_",
     "nonfinite_flags_",
     "update_scale_",
@@ -33,7 +42,55 @@ __all__ = [
     "scaled_mm",
     "scaled_mm_available",
     "scaled_mm_fits",
+    "cpu_scaled_mm_rowwise",
 ]
+
+
+# The step state machine runs outside dynamo: dynamo drops attribute writes on
+# torch.optim.Optimizer subclasses (its OptimizerVariable), so a compiled train step
+# would see a backward that never happened. Each call is one graph break; the model's
+# forward and backward stay compiled, and the step is the same foreach/fused kernels.
+# torch.compiler.disable would import torch._dynamo (and with it torch.onnx) here, at
+# class definition: about as long again as `import torch`. torch's lazy form,
+# which torch.optim.Optimizer's own methods use, imports it at the first call instead;
+# dynamo skips its wrapper (torch._compile is on its skip list), so a traced call is a
+# graph break and the method runs with dynamo off, as with torch.compiler.disable.
+eager = torch._disable_dynamo
+
+
+def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module inside ``torch.compile(module)``, or None if ``module`` is not one."""
+    if "_orig_mod" not in module._modules:
+        return None  # checked first: importing torch._dynamo costs about an `import torch`
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return module._modules["_orig_mod"] if isinstance(module, OptimizedModule) else None
+
+
+def _check_and_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor,
+                        inv_scale: torch.Tensor) -> None:
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+_SGD_HALF_CPU: dict[torch.dtype, bool] = {}
+
+
+def fused_cpu_sgd_updates_half(dtype: torch.dtype) -> bool:
+    """Whether torch's fused SGD on CPU updates every element of a ``dtype`` param.
+
+    torch 2.11-2.13's kernel does not (a 1000-element float16 or bfloat16 param moved
+    only in its last 8 elements); 2.14's does. Asked of the installed torch once per
+    dtype: one step of a 1000-element param, compared with the for-loop SGD's.
+    """
+    if dtype not in _SGD_HALF_CPU:
+        moved = []
+        for fused in (True, False):
+            p = torch.nn.Parameter(torch.ones(1000, dtype=dtype))
+            p.grad = torch.full_like(p, 0.125)
+            torch.optim.SGD([p], lr=0.5, fused=fused, foreach=None if fused else False).step()
+            moved.append(p.detach())
+        _SGD_HALF_CPU[dtype] = bool(torch.equal(*moved))
+    return _SGD_HALF_CPU[dtype]
 
 
 def _dense(t: torch.Tensor, real: bool) -> torch.Tensor:
@@ -87,10 +144,10 @@ def unscale_and_check_(
             g = _dense(g, real=True)
             inv = inv_scale if inv_scale.device == g.device else inv_scale.to(g.device)
             if g.device == flags.device:
-                torch._amp_foreach_non_finite_check_and_unscale_([g], flags[i], inv)
+                _check_and_unscale_([g], flags[i], inv)
             else:  # pragma: no cover - gradients on several devices
                 fi = torch.zeros((), device=g.device)
-                torch._amp_foreach_non_finite_check_and_unscale_([g], fi, inv)
+                _check_and_unscale_([g], fi, inv)
                 flags[i] = torch.maximum(flags[i], fi.to(flags.device))
         if grads:
             torch.maximum(found_inf, flags[:len(grads)].amax(), out=found_inf)
@@ -98,7 +155,7 @@ def unscale_and_check_(
     for (device, _dtype), group in _group(grads).items():
         fi = found_inf if found_inf.device == device else torch.zeros((), device=device)
         inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, fi, inv)
+        _check_and_unscale_(group, fi, inv)
         if fi is not found_inf:
             found_inf.copy_(torch.maximum(found_inf, fi.to(found_inf.device)))
     return found_inf
@@ -115,7 +172,7 @@ def nonfinite_flags_(tensors: Sequence[torch.Tensor], flags: torch.Tensor) -> to
     """
     one = torch.ones((), device=flags.device)
     for i, t in enumerate(tensors):
-        torch._amp_foreach_non_finite_check_and_unscale_([_dense(t, real=True)], flags[i], one)
+        _check_and_unscale_([_dense(t, real=True)], flags[i], one)
     return flags
 
 
@@ -270,16 +327,36 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     return out.to(out_dtype)
 
 
+_CPU_ROWWISE: list[bool] = []
+
+
+def cpu_scaled_mm_rowwise() -> bool:
+    """Whether the installed torch's CPU ``_scaled_mm`` takes row-wise scales (2.13's
+    does; 2.11's takes per-tensor scales only). Asked once, on a 16 x 16 product."""
+    if not _CPU_ROWWISE:
+        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+        s = torch.ones(16, 1)
+        try:
+            torch._scaled_mm(a, a.t(), s, s.t(), out_dtype=torch.bfloat16)
+            _CPU_ROWWISE.append(True)
+        except RuntimeError:
+            _CPU_ROWWISE.append(False)
+    return _CPU_ROWWISE[0]
+
+
 def scaled_mm_fits(a: torch.Tensor, b: torch.Tensor, block, out_dtype) -> bool:
     """Whether `scaled_mm` takes these fp8 operands (``block``: the recipe's, for ``a``).
 
     Tensorwise everywhere ``_scaled_mm`` runs; rowwise on CUDA only with compute
     capability >= 9.0 (the rowwise kernels are Hopper's; on Ada it is emulated) and on
-    CPU (torch's reference kernel, for tests); blockwise never (emulated).
+    CPU where torch's reference kernel takes row-wise scales (`cpu_scaled_mm_rowwise`;
+    used in tests); blockwise never (emulated).
     """
     if block is not None and block != (1, None):
         return False  # blockwise: emulated (its cuBLAS kernels are not wrapped yet)
     if block == (1, None) and a.device.type == "cuda" and _capability(a.device) < (9, 0):
+        return False
+    if block == (1, None) and a.device.type == "cpu" and not cpu_scaled_mm_rowwise():
         return False
     if a.dtype == b.dtype == torch.float8_e5m2:
         return False  # cuBLASLt has no e5m2 x e5m2 GEMM (format="e5m2"): emulated

@@ -177,6 +177,13 @@ class AmpTrainer(transformers.Trainer):
                                        skip_leaves=skip_leaves)
 
     def create_optimizer(self, model: Any = None):
+        """The Trainer's optimizer, converted to the mode once (an `AmpOptimizer`, behind
+        accelerate's scaler interface).
+
+        Raises:
+          ValueError: the Trainer asks for an optimizer over a prepared model (FSDP,
+            SageMaker model parallel), which AmpTrainer does not support.
+        """
         if self._amp.module is not None and self._amp.module is self.model:
             return self.optimizer  # converted in an earlier train()
         if model is not None and model is not self.model:
@@ -201,6 +208,7 @@ class AmpTrainer(transformers.Trainer):
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log, with ``loss_scale`` and ``skipped_steps`` beside the loss."""
         if "loss" in logs and self._amp.optimizers:
             metrics = self.amp_optimizer.scale_metrics(as_python=True)
             logs.update(loss_scale=metrics["loss_scale"],

@@ -199,11 +199,14 @@ class AmpPrecision(*_BASES):
 
     # -- backward and step --------------------------------------------------------------
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        """The loss, multiplied by the current loss scale (Lightning's hook)."""
         if self._amp.optimizers:
             tensor = self._amp.optimizers[0].scale_loss(tensor)
         return self._base(module).pre_backward(self, tensor, module)
 
     def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        """Lightning's own hook (nothing of the scale to undo: gradients are unscaled at
+        the step)."""
         return self._base(module).post_backward(self, tensor, module)
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
@@ -265,9 +268,12 @@ class AmpPrecision(*_BASES):
                              f"{gradient_clip_algorithm!r}.")
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clips the unscaled gradients to a global norm (`AmpOptimizer.clip_grad_norm`:
+        over the masters with master weights, reduced over the process groups)."""
         self._amp_optimizer(optimizer).clip_grad_norm(clip_val)
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        """Unscales, then clips each gradient element to ``[-clip_val, clip_val]``."""
         self.unscale_gradients(optimizer)
         torch.nn.utils.clip_grad_value_(list(self.main_params(optimizer)), clip_val)
 
@@ -290,6 +296,11 @@ class AmpPrecision(*_BASES):
         return {"mode": plan.mode, "opt_level": plan.opt_level}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Checks that the checkpoint was trained in this mode.
+
+        Raises:
+          ValueError: the checkpoint's mode (or opt level) is another.
+        """
         plan = self._amp.plan
         saved = (state_dict.get("mode"), state_dict.get("opt_level"))
         if saved != (plan.mode, plan.opt_level):

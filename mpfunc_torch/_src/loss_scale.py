@@ -12,7 +12,6 @@ from _mpfunc_common.scale_config import (
     FLOAT32_MAX,
     FLOAT32_MIN_NORMAL,
     SCALE_PRESETS,
-    UPDATE_RULE,
     WARM_CLIMB,
     WARM_DOWN,
     WARM_DROP,
@@ -57,7 +56,52 @@ class LossScaler:
 
     .. code-block:: python
 
-{rule}
+        # once per optimizer step; finite = every gradient leaf is finite (on every shard)
+        if warm_phase == START and finite:               # warm_start=True only; a
+            warm_phase = OFF                             # good initial scale is kept
+        if warm_phase != OFF:                            # the warm start
+            growth_tracker, hysteresis_left = 0, hysteresis
+            top = min(max_scale, FLOAT32_MAX)
+            if finite and loss_scale == top:             # nothing above to look for
+                warm_phase = OFF
+            elif finite:                                 # climb, x4 per finite step
+                loss_scale = min(loss_scale * 4, top)
+                warm_phase = UP
+            elif warm_phase == UP:                       # the climb's first overflow:
+                loss_scale = max(loss_scale / 4, min_scale)   # the last finite scale
+                warm_phase = OFF                         # (or top / 4)
+            else:                                        # no finite step yet
+                loss_scale = max(loss_scale * 2**-16, min_scale)
+                warm_phase = DOWN
+        elif not finite:                                 # the step is skipped
+            growth_tracker = 0
+            hysteresis_left = max(hysteresis_left - 1, 0)
+            if hysteresis_left == 0:
+                loss_scale = max(loss_scale * backoff_factor, min_scale)
+        else:
+            growth_tracker += 1
+            if growth_tracker == growth_interval:
+                growth_tracker = 0
+                hysteresis_left = hysteresis              # refills only when the scale grows
+                grown = min(loss_scale * growth_factor, max_scale)
+                if isfinite(grown):
+                    loss_scale = grown
+
+    All arithmetic is float32: every hyperparameter is rounded to float32 once, at
+    construction (a value that does not survive that rounding is a ValueError), and each
+    product is rounded to the nearest float32. With power-of-two factors every product
+    is exact, which is why the presets reproduce their anchors bit for bit. The initial
+    scale is min(init_scale, max_scale), as apex does. min_scale defaults to 1.0 and is
+    at least 2**-126 (the smallest normal float32), so the scale is never 0, subnormal,
+    inf or NaN; GradScaler and apex have no floor and follow the same trajectory as
+    long as theirs stays >= 1.
+
+    warm_phase starts at START with warm_start=True (naive mode's default) and at OFF
+    otherwise, where the rule is exactly Megatron's / GradScaler's. The warm start costs
+    at most 3 skipped steps from 2**32 down to any overflow threshold >= 1, and settles
+    within 2x below the scale the plain rule settles at (both on the powers of two from
+    the initial scale; within 4x otherwise).
+
     Where the rule reduces to torch's GradScaler (hysteresis 1, no ceiling, power-of-two
     factors) the update runs as torch's single fused kernel followed by the floor; the
     result is the same bit for bit. ``consecutive_skips`` counts the skipped steps since
@@ -75,7 +119,7 @@ class LossScaler:
       >>> s = LossScaler("dynamic")
       >>> s.update(torch.tensor(1.0))  # an overflow
       >>> s.metrics(as_python=True)
-      {{'loss_scale': 32768.0, 'skipped_steps': 1, 'consecutive_skips': 1, 'last_finite': False}}
+      {'loss_scale': 32768.0, 'skipped_steps': 1, 'consecutive_skips': 1, 'last_finite': False}
     """
 
     def __init__(
@@ -97,9 +141,9 @@ class LossScaler:
                 config = resolve_scale_config(config or "torch")
             elif not isinstance(config, ScaleConfig):
                 raise TypeError(
-                    "`config` must be a ScaleConfig (from "
-                    "_mpfunc_common.scale_config.resolve_scale_config(preset, **overrides)) "
-                    f"or a preset name, got {type(config).__name__}: {config!r}.")
+                    "`config` must be a ScaleConfig (mpfunc_torch.ScaleConfig.from_preset("
+                    "preset, **overrides)) or a preset name, got "
+                    f"{type(config).__name__}: {config!r}.")
         static = to_float32(as_python_number("static_scale", static_scale))
         if not FLOAT32_MIN_NORMAL <= static <= FLOAT32_MAX:
             raise ValueError("`static_scale` must be a normal float32 in [2**-126, 3.4e38], "
@@ -142,6 +186,7 @@ class LossScaler:
 
     @property
     def device(self) -> torch.device:
+        """Where the state tensors live."""
         return self._scale.device
 
     @property
@@ -151,14 +196,17 @@ class LossScaler:
 
     @property
     def skipped_steps(self) -> torch.Tensor:
+        """Steps skipped so far, an int32 0-dim device tensor (saturates at 2**31 - 1)."""
         return self._skipped
 
     @property
     def consecutive_skips(self) -> torch.Tensor:
+        """Skipped steps since the last finite one, an int32 0-dim device tensor."""
         return self._consecutive
 
     @property
     def last_finite(self) -> torch.Tensor:
+        """Whether the last step's gradients were finite, a bool 0-dim device tensor."""
         return self._last_finite
 
     @property
@@ -280,7 +328,7 @@ class LossScaler:
         A state without ``warm_phase`` (saved before the warm start existed) loads as
         done (0), so its trajectory continues unchanged.
         `load_state_dict` restores the state but keeps the loading scaler's own
-        hyperparameters, so a run may resume with a changed config (as GradScaler does).
+        hyperparameters, so a run may resume with a changed config.
         """
         return {
             "kind": self.kind,
@@ -300,10 +348,13 @@ class LossScaler:
         """Restores a `state_dict`, all or nothing: every value is checked first.
 
         The state (scale, trackers, skip counters) is loaded; the hyperparameters stay
-        this scaler's own, as in ``torch.amp.GradScaler.load_state_dict`` and on the JAX
-        side. Where the saved state does not fit them, it is brought inside: the scale is
-        clamped to [min_scale, max_scale], the growth tracker to ``growth_interval - 1``
-        and ``hysteresis_left`` to ``hysteresis``. A static or unit scaler keeps its scale.
+        this scaler's own, as on the JAX side (where they live in the transformation, not
+        the state), so a run may resume with a changed config. This differs from
+        ``torch.amp.GradScaler.load_state_dict``, which takes the saved growth and
+        backoff factors and growth interval. Where the saved state does not fit this
+        scaler's config, it is brought inside: the scale is clamped to [min_scale,
+        max_scale], the growth tracker to ``growth_interval - 1`` and ``hysteresis_left``
+        to ``hysteresis``. A static or unit scaler keeps its scale.
 
         Raises:
           ValueError: a missing key, another kind, or a value that no scaler can hold
@@ -379,6 +430,3 @@ class LossScaler:
                          ("last_finite", self._last_finite),
                          ("warm_phase", self._warm_phase)):
             dst.fill_(values[key])
-
-
-LossScaler.__doc__ = LossScaler.__doc__.format(rule=UPDATE_RULE)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from _mpfunc_common.amp_config import AmpPlan
+from mpfunc_torch._src import fused
 from mpfunc_torch._src.autocast import Fp32Functions, HalfModelFp32Functions, function_mode
 from mpfunc_torch._src.sharding import cast_module_, is_dtensor
 
@@ -126,12 +127,8 @@ class _AmpForward:
 def _uncompiled(module: nn.Module) -> nn.Module:
     """The module inside ``torch.compile(module)``: converting it puts the casts and
     autocast regions into the compiled graph."""
-    while "_orig_mod" in module._modules:
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        if not isinstance(module, OptimizedModule):
-            break
-        module = module._modules["_orig_mod"]
+    while (inner := fused.compiled_inner(module)) is not None:
+        module = inner
     return module
 
 
@@ -170,6 +167,8 @@ class AmpModel(nn.Module):
         self.register_load_state_dict_pre_hook(_nest_keys)
 
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward in the mode's precision (checks, at the first
+        call, that the params were not sharded after conversion)."""
         if self._converted_params is not None and not torch.compiler.is_compiling():
             refuse_sharded_after_conversion(self.module, self._converted_params)
             self._converted_params = None
@@ -204,9 +203,13 @@ class AmpModel(nn.Module):
         return sorted(set(super().__dir__()) | set(dir(inner) if inner is not None else ()))
 
     def state_dict(self, *args, **kwargs):
+        """The wrapped module's ``state_dict`` (its keys, no ``module.`` prefix): the
+        float32 masters' values where the mode keeps master weights."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads into the wrapped module, as ``nn.Module.load_state_dict``; with master
+        weights the values become the masters exactly (see docs/checkpoints.md)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
@@ -231,6 +234,7 @@ class AmpCriterion(nn.Module):
         self.device_type = device_type
 
     def forward(self, *args, **kwargs):
+        """The criterion on float32 inputs, with autocast off."""
         args, kwargs = cast_floats((args, kwargs), torch.float32)
         with torch.autocast(self.device_type, enabled=False):
             return self.criterion(*args, **kwargs)

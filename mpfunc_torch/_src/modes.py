@@ -13,6 +13,7 @@ from torch import nn
 
 from _mpfunc_common.amp_config import check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
+from mpfunc_torch._src import fused
 from mpfunc_torch._src.checkpoint_convert import guard_inner_load, refuse_optimizer_state
 from mpfunc_torch._src.chunked_step import check_step_chunks
 from mpfunc_torch._src.distributed import normalize_groups
@@ -86,22 +87,24 @@ def _check_optimizer_params(model: nn.Module, optimizers) -> None:
 
 
 def _refuse_broken_fused_sgd(optimizers, stepped) -> None:
-    """torch's fused SGD on CPU leaves float16/bfloat16 params unchanged (seen in torch
-    2.13: a 1000-element float16 param moved only in its last elements). A half-precision
-    mode would then train nothing, silently, so that combination is refused.
+    """torch 2.11-2.13's fused SGD on CPU leaves float16/bfloat16 params unchanged but
+    for their last elements (2.14 fixed it). A half-precision mode would then train
+    nothing, silently, so that combination is refused where the installed torch has the
+    bug (`fused.fused_cpu_sgd_updates_half` asks it).
     ``stepped``: id(param) -> the dtype the optimizer steps it in."""
     for opt in optimizers:
         if not (isinstance(opt, torch.optim.SGD) and opt.defaults.get("fused")):
             continue
         for g in opt.param_groups:
             for p in g["params"]:
-                if stepped[id(p)] in HALF and p.device.type == "cpu":
+                dtype = stepped[id(p)]
+                if dtype in HALF and p.device.type == "cpu" and \
+                        not fused.fused_cpu_sgd_updates_half(dtype):
                     raise ValueError(
-                        "`optimizer` is SGD(fused=True) stepping half-precision params on "
-                        "CPU, which torch's fused CPU SGD kernel does not update correctly. "
-                        "Use fused=False, or a mode with float32 master weights (naive, "
-                        "apex O2)."
-                    )
+                        f"`optimizer` is SGD(fused=True) stepping {dtype} params on CPU, "
+                        f"which torch {torch.__version__}'s fused CPU SGD kernel does not "
+                        "update (fixed in torch 2.14). Use fused=False, or a mode with "
+                        "float32 master weights (naive, apex O2).")
 
 
 def _refuse_vanishing_eps(optimizers, stepped) -> None:

@@ -44,16 +44,8 @@ __all__ = ["AmpOptimizer"]
 
 _READY, _BACKWARD, _UNSCALED = "ready", "backward", "unscaled"
 _profile_hook_step = torch.optim.Optimizer.profile_hook_step
-# The step state machine runs outside dynamo: dynamo drops attribute writes on
-# torch.optim.Optimizer subclasses (its OptimizerVariable), so a compiled train step
-# would see a backward that never happened. Each call is one graph break; the model's
-# forward and backward stay compiled, and the step is the same foreach/fused kernels.
-# torch.compiler.disable would import torch._dynamo (and with it torch.onnx) here, at
-# class definition: about as long again as `import torch`. torch's lazy form,
-# which torch.optim.Optimizer's own methods use, imports it at the first call instead;
-# dynamo skips its wrapper (torch._compile is on its skip list), so a traced call is a
-# graph break and the method runs with dynamo off, as with torch.compiler.disable.
-_eager = torch._disable_dynamo
+# The step state machine runs outside dynamo (see `fused.eager`).
+_eager = fused.eager
 
 
 class AmpOptimizer(WrappedOptimizer):
@@ -165,6 +157,12 @@ class AmpOptimizer(WrappedOptimizer):
     # -- the torch optimizer interface (the rest is WrappedOptimizer's) --------------------
     @_eager
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group`` on the wrapped optimizer.
+
+        Raises:
+          RuntimeError: in a mode with master weights (give every param before
+            `convert_to_amp`).
+        """
         if self._pairs:
             raise RuntimeError("add_param_group is not supported with master weights; "
                                "give the optimizer every param before convert_to_amp (a "

@@ -2,9 +2,8 @@
 
 The torch twin of ``mpfunc/_src/precision_report.py``: the same per-leaf rule
 (`_mpfunc_common.precision_report.LEAF_RULE`), reduced on the device (small gradients
-together by segment reductions, large ones one at a time) into one tensor, read with
-one transfer when asked. The record of
-which params made the last step skip is ``mpfunc_torch/_src/skip_record.py``.
+together by segment reductions, large ones one at a time) into one tensor, read with one
+transfer when asked. Which params made the last step skip: ``skip_record.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import torch
 from torch import nn
 
 from _mpfunc_common.precision_report import (
-    LEAF_RULE,
     FloatFormat,
     check_loss_scale,
     check_report_dtype,
@@ -278,16 +276,32 @@ def precision_report(
 
     .. code-block:: python
 
-{rule}
+        # per gradient leaf g (its local shard, then reduced over the shards)
+        a = abs(float32(g))                                  # elementwise, in float32
+        nonfinite = any(not isfinite(a))                     # MAX over shards
+        amax = max(a where isfinite(a), initial=0)           # float32; MAX over shards
+        zeros = count(a == 0)                                # these three: SUM over shards
+        underflows = count(a != 0 and a <= float32(tiny(dtype) / 2) / loss_scale)
+        size = count(a)
+        # on the host, from those numbers (shared code, so both frameworks agree bit for bit)
+        zero_fraction = zeros / size                         # 0.0 for an empty leaf
+        underflow_fraction = underflows / (size - zeros)     # 0.0 when nothing is non-zero
+        headroom_bits = log2(max(dtype) / (amax * loss_scale))   # inf when amax == 0
 
-    The gradients are taken as they are: give the scale they are trained at when they
-    are unscaled (after ``optimizer.unscale_()`` / ``step()``), or None when they still
-    carry it (right after a scaled ``backward``). `AmpOptimizer.precision_report` knows
-    which, and the scale. DTensor gradients (FSDP2, tensor parallelism) are reduced over
-    their device meshes; plain ones over ``process_group`` if given (the ranks must hold
-    the same params: data or tensor parallel, not pipeline stages). If the model is
-    watched (`watch_nonfinite`), the report also names the first module whose output
-    was non-finite in its last forward.
+        tiny(dtype) is dtype's smallest subnormal: a scaled value at or below half of it
+        rounds to 0 in dtype (round to nearest, ties to even); the threshold is divided by
+        the scale once, in float32. A negative headroom means the scaled gradient no longer
+        fits in dtype: it would overflow to inf. Zeros are counted by their bits: XLA on
+        CPU reads a float32 subnormal as 0 in arithmetic, torch does not, so such a value
+        is an underflow (not a zero) in both.
+
+    The gradients are taken as they are: give the scale they are trained at when they are
+    unscaled (after ``optimizer.unscale_()`` / ``step()``), or None when they still carry
+    it (after a scaled ``backward``); `AmpOptimizer.precision_report` knows which. DTensor
+    gradients (FSDP2, tensor parallelism) are reduced over their device meshes, plain
+    ones over ``process_group`` if given (the ranks must hold the same params: data or
+    tensor parallel, not pipeline stages). A watched model's report (`watch_nonfinite`)
+    also names the first module whose output was non-finite in its last forward.
 
     Args:
       model: the model (an ``AmpModel`` is looked through).
@@ -355,9 +369,7 @@ def _match_grads(named, grads) -> list:
         raise TypeError("`grads` must be None, a sequence of tensors or a dict from "
                         f"param name to tensor, got {type(grads).__name__}.")
     for (n, p), g in zip(named, chosen):
-        if g is None:
-            continue
-        if not isinstance(g, torch.Tensor) or g.shape != p.shape:
+        if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
             got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
             raise ValueError(f"`grads` for {n!r} must be a tensor of the param's shape "
                              f"{tuple(p.shape)}, got {got}.")
@@ -370,27 +382,24 @@ def optimizer_report(opt, dtype: Any = None, process_group: Any = None) -> Preci
     """`AmpOptimizer.precision_report`: the report of the gradients the step will use.
 
     Before `unscale_` it reads the model's gradients, which still carry the scale; after
-    it, the unscaled ones (the float32 master gradients in naive and apex O2). Either
-    way the rows are those of the unscaled gradients at the current loss scale. Params
-    are named as in the converted model's ``named_parameters()``; a watched model
-    (`watch_nonfinite`) adds ``first_nonfinite_module``. ``dtype`` defaults to the
-    mode's half dtype (float32 where nothing is cast); ``process_group`` as in
-    `precision_report`.
+    it, the unscaled ones (naive and apex O2's float32 master gradients); either way the
+    rows are those of the unscaled gradients at the current loss scale. Params are named
+    as in the converted model's ``named_parameters()``; a watched model adds
+    ``first_nonfinite_module``. ``dtype`` defaults to the mode's half dtype (float32
+    where nothing is cast); ``process_group`` as in `precision_report`.
 
     Raises:
       RuntimeError: before any ``backward``, or after ``step`` (the gradients were used,
         and with master weights released).
     """
     if opt._stage == "ready":
-        raise RuntimeError(
-            "precision_report() reads the gradients of the current step: call it after "
-            "backward() and before step() (after step() they were used, and with master "
-            "weights released).")
+        raise RuntimeError("precision_report() reads the gradients of the current step: call "
+                           "it after backward() and before step() (after step() they were "
+                           "used, and with master weights released).")
     plan = opt.plan
     if dtype is None:
-        dtype = (plan.cast_model_type or plan.autocast_dtype or "float32") if plan.enabled \
-            else "float32"
-        dtype = "bfloat16" if plan.enabled and plan.fp8_recipe is not None else dtype
+        dtype = "float32" if not plan.enabled else "bfloat16" if plan.fp8_recipe is not None \
+            else (plan.cast_model_type or plan.autocast_dtype or "float32")
     fmt = _format(dtype)
     groups = normalize_groups(process_group)
     opt._finish_pending()
@@ -408,5 +417,3 @@ def optimizer_report(opt, dtype: Any = None, process_group: Any = None) -> Preci
                    fmt, groups, prescaled, model)
 
 
-precision_report.__doc__ = precision_report.__doc__.format(
-    rule="\n".join("    " + ln if ln else ln for ln in LEAF_RULE.splitlines()))

@@ -53,6 +53,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self):
+        """The wrapped optimizer's ``param_groups`` (the same list, read and set)."""
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -61,10 +62,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):
+        """The wrapped optimizer's ``state``."""
         return self.optimizer.state
 
     @property
     def defaults(self):
+        """The wrapped optimizer's ``defaults``."""
         return self.optimizer.defaults
 
     def __getstate__(self):
