@@ -97,3 +97,55 @@ def round_trip(obj):
     torch.save(obj, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=True)
+
+
+def sharded_run(storage, rank, world, steps=4, bad_at=2):
+    """FSDP2 (``fully_shard``) training of `net` on fixed gradients, next to the same
+    training unsharded in this process; an inf in the last rank's shard at ``bad_at``.
+    Returns what differs (empty: the gathered params, remainders/compensation and
+    state equal the unsharded ones bit for bit, and the overflow changed nothing)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    model = net()
+    fully_shard(model)
+    _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage,
+                     "bfloat16", rounding="stochastic", seed=5)
+    ref_model = net()
+    _, ref = convert(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2), storage,
+                     "bfloat16", rounding="stochastic", seed=5)
+    problems = []
+    for t, g in enumerate(fixed_grads(steps)):
+        if t == bad_at:
+            before = snapshot(model, opt)
+            for p, gi in zip(model.parameters(), g):
+                p.grad = distribute_tensor(gi, p.device_mesh, p.placements)
+            if rank == world - 1:
+                local(model[2].weight.grad)[-1, 0] = float("inf")
+            opt.backward_done()
+            if bool(opt.step()):
+                problems.append("the overflow step was taken")
+            try:
+                same(before, snapshot(model, opt))
+            except AssertionError as e:
+                problems.append(f"the skipped step changed something: {e!r}")
+        for p, gi in zip(model.parameters(), g):
+            p.grad = distribute_tensor(gi, p.device_mesh, p.placements)
+        opt.backward_done()
+        opt.step()
+        step_with(ref, list(ref_model.parameters()), g)
+
+    def full(t):  # gathered as float32 (exact for bfloat16 and int16: gloo has neither)
+        t = t.detach().float()
+        return bits(t.full_tensor()) if hasattr(t, "full_tensor") else bits(t)
+
+    for name, a, b in [("params", model.parameters(), ref_model.parameters()),
+                       ("extra", opt._lowp.storage.extra, ref._lowp.storage.extra)]:
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x is not None and not torch.equal(full(x), full(y)):
+                problems.append(f"{name}[{i}] differs")
+    for i, (st, rst) in enumerate(zip(opt.optimizer.state.values(), ref.optimizer.state.values())):
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(full(st[key]), full(rst[key])):
+                problems.append(f"state[{i}][{key!r}] differs")
+    return problems
