@@ -79,7 +79,7 @@ class LowPrecision:
                 StateDtype.abort_(saved)
                 raise
             if self.state is not None:
-                self.state.end_(qs, self.step)
+                self.state.end_(qs, self.step, saved)
             if self.storage is not None:
                 self.storage.end_(idx, self.step)
 

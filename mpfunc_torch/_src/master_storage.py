@@ -17,7 +17,7 @@ the float32 values, like the float32 grads, never all exist at once. Between ste
   ``store_param_remainders`` keeps the same 16 bits.
 * ``"kahan"``: the bfloat16 param and a bfloat16 compensation; the inner step runs on
   the param in float32 and its update (new - old) is added with Kahan summation
-  (`rounding.foreach_kahan_update_`), as optimi does.
+  (`rounding.foreach_kahan_step_`), as optimi does.
 * ``"stochastic"``: the bfloat16 param only; the inner step runs on it in float32 and
   the result is rounded stochastically with the shared random bits of (seed, stream 0,
   step, element index) (`rounding.stochastic_round_`), as torchao's ``_AdamW(
@@ -41,8 +41,9 @@ from mpfunc_torch._src.rounding import (
     bits_for,
     element_index,
     foreach_join_remainder_,
-    foreach_kahan_update_,
+    foreach_kahan_step_,
     foreach_split_remainder_,
+    scratch_for,
     stochastic_round_,
 )
 from mpfunc_torch._src.sharding import is_dtensor, local
@@ -166,13 +167,13 @@ class MasterStorage:
         ps = [raw(self.pairs[i][0]) for i in idx]
         if self.kind == "remainder":
             foreach_split_remainder_(works, ps, [raw(self.extra[i]) for i in idx])
-        elif self.kind == "kahan" and works:
-            torch._foreach_sub_(works, ps)  # the update the inner step made, in float32
-            foreach_kahan_update_(ps, [raw(self.extra[i]) for i in idx], works)
-        else:
+        elif self.kind == "kahan":
+            foreach_kahan_step_(ps, [raw(self.extra[i]) for i in idx], works)
+        elif works:
+            scratch = scratch_for(works, torch.int32)
             for i, w, p in zip(idx, works, ps):
-                bits = bits_for(self.pairs[i][0], self.seed, 0, step, self._index[i])
-                stochastic_round_(p, w, bits)
+                bits = bits_for(self.pairs[i][0], self.seed, 0, step, self._index[i], scratch)
+                stochastic_round_(p, w, bits, scratch)
         self.abort_(idx)
 
     def abort_(self, idx: Sequence[int]) -> None:

@@ -5,13 +5,13 @@ rounding float32 -> bfloat16, 16-bit remainders and Kahan-compensated updates, e
 to the NumPy reference bit for bit (tests/test_torch_rounding.py), on any device.
 
 uint32 arithmetic is done in int32 with wrap-around (torch's integer ``mul``/``add`` wrap
-on CPU and CUDA, which the tests check against the reference), logical right shifts as
-arithmetic ones then masked. Halves of a 32-bit word are reached through an int16 view
-(little-endian: element ``2i`` is the low half of word ``i``), so ``x ^= x >> 16``,
-taking the top 16 bits and reading a remainder are one strided op each, with no
-temporary. Every op works in
-place on one int32 buffer per tensor (4 bytes per element, 8 during a shift): callers
-stepping in chunks (`mpfunc_torch._src.chunked_step`) keep that bounded.
+on CPU and CUDA, and a narrowing int32 -> int16 copy keeps the low 16 bits: the tests
+check both against the reference), logical right shifts as arithmetic ones then masked.
+The ops are plain contiguous elementwise kernels, in place where they can be, with one
+int32 scratch buffer reused through a call: no strided views (a strided int16 kernel
+costs several contiguous ones on CPU) and no boolean masks (a select is a sign mask
+and an AND). Callers stepping in chunks (`mpfunc_torch._src.chunked_step`) keep the
+temporaries bounded.
 
 NaN: stochastic rounding keeps a NaN's sign and top mantissa bits (quiet), as the
 reference does. Round to nearest is torch's own cast (``Tensor.to(torch.bfloat16)``),
@@ -42,7 +42,8 @@ __all__ = [
     "kahan_update_",
     "foreach_split_remainder_",
     "foreach_join_remainder_",
-    "foreach_kahan_update_",
+    "foreach_kahan_step_",
+    "scratch_for",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
@@ -60,23 +61,36 @@ _A, _B = (as_int32(c) for c in MIX_CONSTANTS)
 _I32, _I16, _F32, _BF16 = torch.int32, torch.int16, torch.float32, torch.bfloat16
 
 
-def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(low, high) 16-bit halves of a contiguous 1-D 32-bit tensor, as int16 views."""
-    h = x.view(_I16)
-    return h[0::2], h[1::2]
+def mix32_(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """lowbias32 in place on an int32 tensor (its bits read as uint32); ``scratch``: an
+    int32 tensor of ``x``'s shape to reuse (else one is made)."""
+    t = torch.empty_like(x) if scratch is None else scratch
+    for shift, mask, mul in ((16, 0xFFFF, _A), (15, 0x1FFFF, _B), (16, 0xFFFF, None)):
+        torch.bitwise_right_shift(x, shift, out=t)
+        t.bitwise_and_(mask)  # the logical shift
+        x.bitwise_xor_(t)
+        if mul is not None:
+            x.mul_(mul)
+    return x
 
 
-def mix32_(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 in place on a contiguous 1-D int32 tensor (its bits read as uint32)."""
-    lo, hi = _halves(x)
-    lo.bitwise_xor_(hi)  # x ^= x >> 16: the high half is unchanged, the low one takes it
-    x.mul_(_A)
-    t = torch.bitwise_right_shift(x, 15)
-    t.bitwise_and_(0x1FFFF)  # the logical shift
-    x.bitwise_xor_(t)
-    del t
-    x.mul_(_B)
-    lo.bitwise_xor_(hi)
+_SMALL: dict = {}  # device -> int32 arange(4096), to build long runs by one broadcast add
+
+
+def _arange_(x: torch.Tensor, start: int) -> torch.Tensor:
+    """``x`` (1-D int32) = start, start + 1, ... (all below 2**31): a broadcast add of a
+    cached row to a short column (a plain int arange is a serial loop on CPU)."""
+    k, n = 4096, x.numel()
+    rows = n // k
+    if rows:
+        small = _SMALL.get(x.device)
+        if small is None:
+            small = _SMALL[x.device] = torch.arange(k, dtype=_I32, device=x.device)
+        col = torch.arange(start, start + rows * k, k, dtype=_I32, device=x.device)
+        torch.add(col[:, None], small[None, :], out=x[:rows * k].view(rows, k))
+    if n > rows * k:
+        torch.arange(start + rows * k, start + n, dtype=_I32, device=x.device,
+                     out=x[rows * k:])
     return x
 
 
@@ -86,14 +100,16 @@ def _key(seed: int, stream: int, step: int) -> int:
 
 
 def random_bits(seed: int, stream: int, step: int, start: int, n: int,
-                device: torch.device | str | None = None) -> torch.Tensor:
+                device: torch.device | str | None = None,
+                scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``_mpfunc_common.rounding.random_bits`` of the element indices ``start .. start+n``
-    (a contiguous run of a leaf's row-major positions), as int32 bit patterns."""
+    (a contiguous run of a leaf's row-major positions), as int32 bit patterns
+    (``scratch``: an int32 tensor of ``n`` elements to reuse)."""
     key = _key(seed, stream, step)
     if start + n <= 1 << 31:  # every index below 2**31: its high word is 0
-        x = torch.arange(start, start + n, dtype=_I32, device=device)
+        x = _arange_(torch.empty(n, dtype=_I32, device=device), start)
         x.bitwise_xor_(key)
-        return mix32_(mix32_(x))
+        return mix32_(mix32_(x, scratch), scratch)
     return random_bits_at(seed, stream, step,
                           torch.arange(start, start + n, dtype=torch.int64, device=device))
 
@@ -139,98 +155,129 @@ def element_index(t: torch.Tensor) -> int | torch.Tensor:
 
 
 def bits_for(t: torch.Tensor, seed: int, stream: int, step: int,
-             index: int | torch.Tensor | None = None) -> torch.Tensor:
+             index: int | torch.Tensor | None = None,
+             scratch: torch.Tensor | None = None) -> torch.Tensor:
     """The shared random bits (int32) of each of this rank's elements of ``t``, in the
-    local shard's row-major order (``index``: `element_index` of ``t``, if known)."""
+    local shard's row-major order (``index``: `element_index` of ``t``, if known;
+    ``scratch``: an int32 buffer of at least its size to reuse)."""
     index = element_index(t) if index is None else index
+    n = local(t).numel()
     if isinstance(index, int):
-        return random_bits(seed, stream, step, index, local(t).numel(), local(t).device)
+        return random_bits(seed, stream, step, index, n, local(t).device,
+                           None if scratch is None else scratch[:n])
     return random_bits_at(seed, stream, step, index)
 
 
-def stochastic_round_(out: torch.Tensor, x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+def scratch_for(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """One flat buffer of ``dtype`` as large as the largest of ``tensors`` (local shards),
+    for the ops below to reuse across a list: one allocation, not one per tensor."""
+    n = max((local(t).numel() for t in tensors), default=0)
+    device = local(tensors[0]).device if tensors else None
+    return torch.empty(n, dtype=dtype, device=device)
+
+
+def _view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return buf[:like.numel()].view(like.shape)
+
+
+def stochastic_round_(out: torch.Tensor, x: torch.Tensor, bits: torch.Tensor,
+                      scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` (bfloat16) = ``x`` (float32) rounded stochastically with ``bits`` (int32,
     one per element, consumed): ``_mpfunc_common.rounding.stochastic_round_bf16``.
 
-    ``bits(x) + (bits & 0xFFFF)``, wrapped, then its top 16 bits; a NaN takes the top
-    bits of ``bits(x) | 0x00400000`` instead. All three tensors are contiguous and have
-    ``x``'s number of elements; ``out`` may not alias ``x``.
+    ``bits(x) + (bits & 0xFFFF)``, wrapped, then its top 16 bits; a NaN adds nothing and
+    sets its quiet bit (``bits(x) | 0x00400000``). All tensors are contiguous with
+    ``x``'s number of elements (``scratch``: int32, at least that many); ``out`` may not
+    alias ``x``.
     """
     b = x.reshape(-1).view(_I32)
     r = bits.reshape(-1)
+    t = torch.empty_like(r) if scratch is None else _view(scratch, r)
+    torch.bitwise_and(b, 0x7FFFFFFF, out=t)
+    t.sub_(0x7F800001)
+    t.bitwise_right_shift_(31)      # -1 where x is not a NaN, 0 where it is
     r.bitwise_and_(0xFFFF)
+    r.bitwise_and_(t)               # a NaN adds nothing ...
     r.add_(b)
-    quiet = torch.bitwise_or(b, 0x00400000)
-    torch.where(torch.isnan(x.reshape(-1)), quiet, r, out=r)
-    out.reshape(-1).view(_I16).copy_(_halves(r)[1])
+    t.bitwise_not_()
+    t.bitwise_and_(0x00400000)      # ... and is made quiet
+    r.bitwise_or_(t)
+    r.bitwise_right_shift_(16)
+    out.reshape(-1).view(_I16).copy_(r)  # a narrowing copy: the top 16 bits
     return out
 
 
 def split_remainder_(work: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
     """float32 ``work`` -> ``hi`` (bfloat16) and ``lo`` (int16) with ``bits(work) ==
     (bits(hi) << 16) + lo``: `_mpfunc_common.rounding.split_remainder` (``hi`` rounded
-    to nearest, ties away from zero). ``work`` is left as it was. Contiguous tensors."""
-    s = work.reshape(-1).view(_I32)
-    lo.reshape(-1).copy_(_halves(s)[0])  # the low half, read as signed, is the remainder
-    s.add_(0x8000)                       # ... and the carry into the high half rounds
-    hi.reshape(-1).view(_I16).copy_(_halves(s)[1])
-    s.sub_(0x8000)
+    to nearest, ties away from zero). ``work`` is consumed. Contiguous tensors."""
+    foreach_split_remainder_([work], [hi], [lo])
 
 
 def join_remainder_(work: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
     """``work`` (float32) = the master that ``hi`` (bfloat16) and ``lo`` (int16) split:
-    `_mpfunc_common.rounding.join_remainder`, exact: ``(hi << 16) + lo`` in int32."""
+    `_mpfunc_common.rounding.join_remainder`, exact."""
     foreach_join_remainder_([work], [hi], [lo])
-
-
-def kahan_update_(p: torch.Tensor, c: torch.Tensor, update: torch.Tensor) -> None:
-    """One Kahan-compensated step of bfloat16 ``p`` (with bfloat16 compensation ``c``) by
-    a float32 ``update``, in place: `_mpfunc_common.rounding.kahan_update`. ``update``
-    is consumed (it ends holding the new compensation in float32)."""
-    foreach_kahan_update_([p], [c], [update])
 
 
 def foreach_split_remainder_(works: Sequence[torch.Tensor], his: Sequence[torch.Tensor],
                              los: Sequence[torch.Tensor]) -> None:
-    """`split_remainder_` over lists (one foreach add per direction)."""
+    """`split_remainder_` over lists (``works`` consumed): the remainder is the low 16
+    bits read as signed (a narrowing copy), ``hi`` the top 16 after adding 0x8000."""
     if not works:
         return
     s = [w.reshape(-1).view(_I32) for w in works]
-    torch._foreach_copy_([lo.reshape(-1) for lo in los], [_halves(x)[0] for x in s])
+    torch._foreach_copy_([lo.reshape(-1) for lo in los], s)
     torch._foreach_add_(s, 0x8000)
-    torch._foreach_copy_([h.reshape(-1).view(_I16) for h in his], [_halves(x)[1] for x in s])
-    torch._foreach_sub_(s, 0x8000)
+    for x in s:
+        x.bitwise_right_shift_(16)
+    torch._foreach_copy_([h.reshape(-1).view(_I16) for h in his], s)
 
 
 def foreach_join_remainder_(works: Sequence[torch.Tensor], his: Sequence[torch.Tensor],
                             los: Sequence[torch.Tensor]) -> None:
-    """`join_remainder_` over lists: the sign-extended ``hi`` shifted up, plus ``lo``
-    (a negative remainder borrows from the high half, so no copy of halves will do)."""
+    """`join_remainder_` over lists: ``hi`` widened to float32 (its bits shifted up,
+    exactly, NaNs included), then ``lo`` added to the bits (a negative remainder
+    borrows from the high half)."""
     if not works:
         return
-    s = [w.reshape(-1).view(_I32) for w in works]
-    torch._foreach_copy_(s, [hi.reshape(-1).view(_I16) for hi in his])
-    for x in s:
-        x.bitwise_left_shift_(16)
-    torch._foreach_add_(s, [lo.reshape(-1) for lo in los])
+    torch._foreach_copy_(list(works), list(his))
+    torch._foreach_add_([w.reshape(-1).view(_I32) for w in works],
+                        [lo.reshape(-1) for lo in los])
 
 
-def foreach_kahan_update_(ps: Sequence[torch.Tensor], cs: Sequence[torch.Tensor],
-                          updates: Sequence[torch.Tensor]) -> None:
-    """`kahan_update_` over lists; each ``update`` is consumed. In float32::
+def _kahan_(p: torch.Tensor, c: torch.Tensor, y: torch.Tensor, pf: torch.Tensor,
+            t: torch.Tensor) -> None:
+    """The rule on one tensor: ``y`` holds the update (consumed), ``pf`` the param in
+    float32, ``t`` a float32 scratch of the same shape."""
+    t.copy_(c)
+    y.add_(t)              # y = update + c
+    torch.add(pf, y, out=t)  # t = p + y
+    p.copy_(t)             # p' = bf16(t), to nearest
+    t.copy_(p)
+    t.sub_(pf)             # p' - p, exact
+    y.sub_(t)              # y - (p' - p)
+    c.copy_(y)             # c' = bf16(...), to nearest
+
+
+def kahan_update_(p: torch.Tensor, c: torch.Tensor, update: torch.Tensor) -> None:
+    """One Kahan-compensated step of bfloat16 ``p`` (with bfloat16 compensation ``c``) by
+    a float32 ``update``, in place: `_mpfunc_common.rounding.kahan_update`. In float32::
 
         y = update + c;  t = p + y;  p' = bf16(t);  c' = bf16(y - (p' - p))
-    """
+
+    ``update`` is consumed."""
+    _kahan_(p, c, update, p.to(_F32), torch.empty_like(update))
+
+
+def foreach_kahan_step_(ps: Sequence[torch.Tensor], cs: Sequence[torch.Tensor],
+                        works: Sequence[torch.Tensor]) -> None:
+    """`kahan_update_` of each bfloat16 ``p`` by ``work - p``, where ``work`` is the
+    float32 value an optimizer stepped ``p`` to (consumed)."""
     if not ps:
         return
-    ys = list(updates)
-    torch._foreach_add_(ys, list(cs))              # y = update + c
-    ts = torch._foreach_add(ys, list(ps))          # t = p + y (float32)
-    news = [torch.empty_like(p) for p in ps]
-    torch._foreach_copy_(news, ts)                 # p' = bf16(t), to nearest
-    torch._foreach_copy_(ts, news)                 # p' in float32 (exact)
-    torch._foreach_sub_(ts, list(ps))              # p' - p (exact)
-    torch._foreach_sub_(ys, ts)                    # y - (p' - p)
-    del ts
-    torch._foreach_copy_(list(cs), ys)             # c' = bf16(...), to nearest
-    torch._foreach_copy_(list(ps), news)
+    bufs = scratch_for(works, _F32), scratch_for(works, _F32)
+    for p, c, w in zip(ps, cs, works):
+        pf = _view(bufs[0], w).copy_(p)
+        w.sub_(pf)         # the update the optimizer made, in float32
+        _kahan_(p, c, w, pf, _view(bufs[1], w))

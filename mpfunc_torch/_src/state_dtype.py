@@ -144,9 +144,12 @@ class StateDtype:
             if scale is not None:
                 st[key + SCALE_SUFFIX] = scale
 
-    def end_(self, params: Iterable[torch.Tensor], step: int) -> None:
+    def end_(self, params: Iterable[torch.Tensor], step: int, saved: list = ()) -> None:
         """The float32 state of ``params`` -> stored dtypes (rounded as configured), for
-        the step numbered ``step`` (its random bits)."""
+        the step numbered ``step`` (its random bits); 16-bit results go into the stored
+        tensors `begin_` returned (``saved``), not new ones."""
+        reuse = {(id(st), key): stored for st, key, stored, _ in saved}
+        scratch = None
         for q in params:
             st = self.optimizer.state.get(q)
             if not st:
@@ -159,10 +162,16 @@ class StateDtype:
                 if name in _FP8:
                     st[key], st[key + SCALE_SUFFIX] = _quantize(value, name, self.block)
                     continue
-                out = torch.empty_like(value, dtype=STATE_DTYPES[name])
+                out = reuse.get((id(st), key))
+                if out is None or out.dtype != STATE_DTYPES[name] or out.shape != value.shape:
+                    out = torch.empty_like(value, dtype=STATE_DTYPES[name])
                 if self.rounding == "stochastic":
-                    bits = bits_for(value, self.seed, stream, step, self._index_of(value))
-                    stochastic_round_(local(out), local(value), bits)
+                    n = local(value).numel()
+                    if scratch is None or scratch.numel() < n:
+                        scratch = torch.empty(n, dtype=torch.int32, device=local(value).device)
+                    bits = bits_for(value, self.seed, stream, step, self._index_of(value),
+                                    scratch)
+                    stochastic_round_(local(out), local(value), bits, scratch)
                 else:
                     local(out).copy_(local(value))
                 st[key] = out
