@@ -17,7 +17,10 @@ bfloat16 or 8 bits):
   spell on a shared machine slows a round's runs alike).
 * ``loss``: the demo transformer (examples/compare_modes.py, on Python's own source)
   trained ``--steps`` steps with AdamW from the same init in each storage, and with plain
-  bfloat16 params (no masters); the eval loss and its gap to float32 masters.
+  bfloat16 params (no masters); the eval loss and its gap to float32 masters. The row
+  "float32 masters, 1 ulp off" is the noise floor: the float32-master run with one
+  weight moved by one bfloat16 ulp before training (what one remainder tie does), so
+  the gap that chaotic divergence alone opens in ``--steps`` steps.
 
     python benchmarks/low_precision.py                       # all three, CPU sizes
     python benchmarks/low_precision.py --part loss --steps 1000 --json out/lp.json
@@ -182,7 +185,7 @@ def loss_part(steps, cfg):
                                                  torch.from_numpy(y).long().flatten())
 
     out = {}
-    for name in LOSS_VARIANTS + ["plain bf16 params"]:
+    for name in LOSS_VARIANTS + ["float32 masters, 1 ulp off", "plain bf16 params"]:
         model = torch_model(cfg)
         inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
         t0 = time.perf_counter()
@@ -194,7 +197,12 @@ def loss_part(steps, cfg):
                 train_loss(model, s).backward()
                 inner.step()
         else:
-            model_c, opt = convert(model, inner, name, seed=cfg.seed)
+            model_c, opt = convert(model, inner, name.removesuffix(", 1 ulp off"),
+                                   seed=cfg.seed)
+            if name.endswith("1 ulp off"):  # a write: the master follows the param
+                with torch.no_grad():
+                    w = model.blocks[0].fc.weight.view(torch.int16)
+                    w[0, 0] += 1  # one bfloat16 ulp away from zero
             for s in range(steps):
                 opt.zero_grad()
                 opt.backward(train_loss(model_c, s))

@@ -131,18 +131,24 @@ def test_kahan_tracks_float32_masters_where_plain_bfloat16_stalls():
     assert abs(kahan - ref) / ref < 0.01
 
 
-@pytest.mark.parametrize("storage", ["remainder", "kahan", "stochastic"])
-@pytest.mark.parametrize("state", [None, "bfloat16", "float8_e4m3fn"])
-def test_a_skipped_step_changes_nothing_and_the_next_one_continues(storage, state):
+SKIP_CASES = [(s, st, "foreach", 1, float("inf")) for s in ("remainder", "kahan", "stochastic")
+              for st in (None, "bfloat16", "float8_e4m3fn")] + [
+    (s, "bfloat16", "fused", 2, float("nan")) for s in ("remainder", "kahan", "stochastic")]
+
+
+@pytest.mark.parametrize("storage, state, impl, chunks, bad_value", SKIP_CASES)
+def test_a_skipped_step_changes_nothing_and_the_next_one_continues(storage, state, impl,
+                                                                   chunks, bad_value):
     def run(skip):
         model = net()
-        model_c, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                               storage, state, rounding="nearest", seed=7)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, **{impl: True})
+        model_c, opt = convert(model, inner, storage, state, rounding="nearest", seed=7,
+                               chunks=chunks)
         params = list(model.parameters())
         for t, g in enumerate(fixed_grads(4)):
             if t == 2 and skip:
                 bad = [x.clone() for x in g]
-                bad[1][3] = float("inf")
+                bad[1][3] = bad_value
                 before = snapshot(model, opt)
                 assert not bool(step_with(opt, params, bad))
                 same(before, snapshot(model, opt))
@@ -157,19 +163,19 @@ def test_a_skipped_step_changes_nothing_and_the_next_one_continues(storage, stat
 def test_a_resumed_run_continues_bit_for_bit(storage, model_first):
     grads = fixed_grads(6)
 
-    def fresh():
+    def fresh(seed):
         model = net()
         model_c, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                               storage, "bfloat16", rounding="stochastic", seed=5)
+                               storage, "bfloat16", rounding="stochastic", seed=seed)
         return model, opt
 
-    model, opt = fresh()
+    model, opt = fresh(5)
     for g in grads[:3]:
         step_with(opt, list(model.parameters()), g)
     saved_model, saved_opt = round_trip(model.state_dict()), round_trip(opt.state_dict())
     for g in grads[3:]:
         step_with(opt, list(model.parameters()), g)
-    model2, opt2 = fresh()
+    model2, opt2 = fresh(6)  # the checkpoint's seed (5) is the run's
     if model_first:
         model2.load_state_dict(saved_model)
         opt2.load_state_dict(saved_opt)
@@ -290,3 +296,10 @@ def test_bad_arguments_are_clear_errors():
     step_with(opt, list(stepped.parameters()), fixed_grads(1)[0])
     with pytest.raises(ValueError, match="already stepped"):
         use_low_precision(opt, "kahan")
+
+
+def test_distributed_checkpoint_functions_refuse_stored_masters_clearly():
+    model = net()
+    _, opt = convert(model, torch.optim.SGD(model.parameters(), lr=0.1), "remainder")
+    with pytest.raises(ValueError, match="keep their masters as 'remainder'"):
+        mpfunc_torch.get_state_dict(model, opt)

@@ -148,6 +148,9 @@ class LowPrecision:
     def load(self, checked: dict[str, Any]) -> None:
         """Writes what `check` returned: params, remainders/compensation, seed, step."""
         self.seed, self.step = checked["seed"], checked["step"]
+        for part in (self.storage, self.state):  # the run's seed is the checkpoint's
+            if part is not None:
+                part.seed = self.seed
         s = self.storage
         if s is None:
             return

@@ -220,7 +220,8 @@ class MasterStorage:
     def load_mask(self, w: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Before a model load of a bfloat16 ``value`` into ``w``'s param: where the
         stored master already rounds to it (the param equals it)."""
-        return self.pairs[self._at[id(w)]][0].detach() == value.to(_BF16)
+        p = self.pairs[self._at[id(w)]][0].detach()
+        return p == value.to(device=p.device, dtype=_BF16)
 
     @torch.no_grad()
     def follow_load_(self, w: torch.Tensor, value: torch.Tensor,
