@@ -21,6 +21,7 @@ from lowp_task import (
 import mpfunc_torch
 from _mpfunc_common import rounding as R
 from mpfunc_torch._src.low_precision import persistent_bytes, use_low_precision
+from mpfunc_torch._src.state_dtype import StateDtype
 
 OPTIMIZERS = {
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
@@ -277,6 +278,10 @@ def test_bad_arguments_are_clear_errors():
         use_low_precision(opt, "kahan", "float8_e4m3fn", "stochastic")
     with pytest.raises(ValueError, match="float16 state for 'exp_avg_sq'"):
         use_low_precision(opt, "kahan", {"exp_avg": "float16", "exp_avg_sq": "float16"})
+    adam = torch.optim.AdamW(net().parameters())
+    with pytest.raises(ValueError, match="float16 state for 'exp_avg_sq'"):
+        StateDtype(adam, "float16")  # refused before any step, not at the first
+    StateDtype(torch.optim.SGD(net().parameters(), lr=0.1, momentum=0.9), "float16")
     assert not hasattr(opt, "_lowp") and opt._pairs[0][1].dtype == torch.float32  # untouched
     use_low_precision(opt, "kahan")
     with pytest.raises(ValueError, match="already"):

@@ -49,8 +49,12 @@ SCALE_SUFFIX = ":scale"
 # Squared-gradient accumulators of torch.optim's optimizers: float16 underflows them
 # (a gradient below 2**-12 squares below float16's smallest subnormal), and a zero second
 # moment under a non-zero first one makes Adam divide by eps.
-_SQUARED = {"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "variance",
-            "row_var", "col_var", "exp_inf"}
+_SQUARED_KEYS = {
+    "Adam": ("exp_avg_sq", "max_exp_avg_sq"), "AdamW": ("exp_avg_sq", "max_exp_avg_sq"),
+    "NAdam": ("exp_avg_sq",), "RAdam": ("exp_avg_sq",), "RMSprop": ("square_avg",),
+    "Adagrad": ("sum",), "Adadelta": ("square_avg", "acc_delta"),
+    "Adafactor": ("row_var", "col_var", "variance")}
+_SQUARED = {k for keys in _SQUARED_KEYS.values() for k in keys}
 _F32 = torch.float32
 
 
@@ -99,6 +103,10 @@ class StateDtype:
         for key, name in self.dtypes.items():
             if name == "float16" and key in _SQUARED:
                 raise ValueError(_fp16_squared(key))
+        squared = [k for c in type(optimizer).__mro__ for k in _SQUARED_KEYS.get(
+            c.__name__, ()) if c.__module__.startswith("torch.optim")]
+        if self.default == "float16" and squared:  # known before the first step
+            raise ValueError(_fp16_squared(squared[0]))
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"`block` must be an int >= 1, got {block!r}.")
         self.optimizer, self.rounding, self.seed, self.block = optimizer, rounding, seed, block
@@ -106,10 +114,7 @@ class StateDtype:
 
     def dtype_of(self, key: Any) -> str:
         """The stored dtype name of state ``key``."""
-        name = self.dtypes.get(key, self.default or "float32")
-        if name == "float16" and key in _SQUARED:
-            raise ValueError(_fp16_squared(key))
-        return name
+        return self.dtypes.get(key, self.default or "float32")
 
     def _keys(self, st: Mapping) -> list[tuple[str, int]]:
         """(key, stream) of the state tensors of one param that are stored small."""
