@@ -160,15 +160,15 @@ def overhead_part(n_params, rounds, per_round):
     return {"params": n_params, "rounds": rounds, "steps_per_round": per_round, "runs": out}
 
 
-def loss_part(steps, cfg):
+def loss_part(steps, cfg, seeds):
+    """Each variant trained from ``seeds`` initialisations and data orders; the gap is
+    taken per seed against that seed's float32-master run, then averaged."""
     import numpy as np
     import torch
     from compare_modes import torch_model
     from data import load_corpus, split, windows
 
     train, held = split(load_corpus(200_000))
-    batches = windows(train, cfg.context, cfg.batch, seed=1)
-    data = [next(batches) for _ in range(steps)]
     evals = list(zip(range(8), windows(held, cfg.context, cfg.batch, seed=2)))
 
     def eval_loss(model):
@@ -178,40 +178,51 @@ def loss_part(steps, cfg):
                 torch.from_numpy(y).long().flatten())) for _, (x, y) in evals]
         return float(np.mean(losses))
 
-    def train_loss(model, step):
-        x, y = data[step]
+    def train_loss(model, batch):
+        x, y = batch
         logits = model(torch.from_numpy(x).long())
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
                                                  torch.from_numpy(y).long().flatten())
 
-    out = {}
-    for name in LOSS_VARIANTS + ["float32 masters, 1 ulp off", "plain bf16 params"]:
-        model = torch_model(cfg)
+    def one(name, seed, data):
+        model = torch_model(SimpleNamespace(**{**vars(cfg), "seed": seed}))
         inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
         t0 = time.perf_counter()
         if name == "plain bf16 params":  # no masters: AdamW steps bfloat16 params itself
             model.bfloat16()
             inner = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-            for s in range(steps):
+            for batch in data:
                 inner.zero_grad()
-                train_loss(model, s).backward()
+                train_loss(model, batch).backward()
                 inner.step()
         else:
-            model_c, opt = convert(model, inner, name.removesuffix(", 1 ulp off"),
-                                   seed=cfg.seed)
+            model_c, opt = convert(model, inner, name.removesuffix(", 1 ulp off"), seed=seed)
             if name.endswith("1 ulp off"):  # a write: the master follows the param
                 with torch.no_grad():
                     w = model.blocks[0].fc.weight.view(torch.int16)
                     w[0, 0] += 1  # one bfloat16 ulp away from zero
-            for s in range(steps):
+            for batch in data:
                 opt.zero_grad()
-                opt.backward(train_loss(model_c, s))
+                opt.backward(train_loss(model_c, batch))
                 opt.step()
-        out[name] = {"eval_loss": eval_loss(model), "train_s": time.perf_counter() - t0}
-    ref = out["float32 masters"]["eval_loss"]
-    for r in out.values():
-        r["gap_vs_float32_masters"] = (r["eval_loss"] - ref) / ref
-    return {"steps": steps, "model": vars(cfg), "runs": out}
+        return eval_loss(model), time.perf_counter() - t0
+
+    names = LOSS_VARIANTS + ["float32 masters, 1 ulp off", "plain bf16 params"]
+    per_seed: dict[str, list] = {n: [] for n in names}
+    for seed in range(seeds):
+        batches = windows(train, cfg.context, cfg.batch, seed=1 + seed)
+        data = [next(batches) for _ in range(steps)]
+        for name in names:
+            per_seed[name].append(one(name, seed, data))
+    out = {}
+    for name, runs in per_seed.items():
+        losses = [loss for loss, _ in runs]
+        gaps = [(loss - ref) / ref for loss, (ref, _) in zip(losses, per_seed["float32 masters"])]
+        out[name] = {"eval_loss": float(np.mean(losses)), "eval_losses": losses,
+                     "gap_vs_float32_masters": float(np.mean(gaps)),
+                     "gap_std": float(np.std(gaps, ddof=1)) if len(gaps) > 1 else 0.0,
+                     "gaps": gaps, "train_s": float(np.mean([t for _, t in runs]))}
+    return {"steps": steps, "seeds": seeds, "model": vars(cfg), "runs": out}
 
 
 def keep_freed_memory():
@@ -251,10 +262,12 @@ def to_markdown(r):
         x = r["loss"]
         m = x["model"]
         lines += [f"Eval loss after {x['steps']} AdamW steps, transformer {m['layers']}x"
-                  f"{m['width']} (context {m['context']}, batch {m['batch']}, lr {m['lr']}):",
-                  "", "| variant | eval loss | gap vs float32 masters |", "| --- | --- | --- |"]
-        lines += [f"| {k} | {v['eval_loss']:.4f} | {100 * v['gap_vs_float32_masters']:+.3f}% |"
-                  for k, v in x["runs"].items()]
+                  f"{m['width']} (context {m['context']}, batch {m['batch']}, lr {m['lr']}), "
+                  f"mean over {x['seeds']} seed(s) (init and data order); the gap is taken "
+                  "per seed against its float32-master run (+- the std over seeds):", "",
+                  "| variant | eval loss | gap vs float32 masters |", "| --- | --- | --- |"]
+        lines += [f"| {k} | {v['eval_loss']:.4f} | {100 * v['gap_vs_float32_masters']:+.3f}% "
+                  f"+- {100 * v['gap_std']:.3f}% |" for k, v in x["runs"].items()]
     return "\n".join(lines)
 
 
@@ -266,6 +279,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--steps-per-round", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seeds", type=int, default=1, help="loss: seeds to average over")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -283,7 +297,7 @@ def main(argv=None):
     unknown = sorted(set(parts) - {"bytes", "overhead", "loss"})
     if unknown:
         ap.error(f"--part: unknown {unknown}; choose from bytes, overhead, loss")
-    for name in ("params", "rounds", "steps_per_round", "steps"):
+    for name in ("params", "rounds", "steps_per_round", "steps", "seeds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.keep_freed_memory:
@@ -301,7 +315,7 @@ def main(argv=None):
     if "loss" in parts:
         cfg = SimpleNamespace(layers=args.layers, width=args.width, heads=args.heads,
                               context=args.context, batch=args.batch, lr=args.lr, seed=0)
-        r["loss"] = loss_part(args.steps, cfg)
+        r["loss"] = loss_part(args.steps, cfg, args.seeds)
     print(to_markdown(r))
     if args.json:
         with open(args.json, "w") as f:
