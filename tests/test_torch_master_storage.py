@@ -308,3 +308,24 @@ def test_distributed_checkpoint_functions_refuse_stored_masters_clearly():
     _, opt = convert(model, torch.optim.SGD(model.parameters(), lr=0.1), "remainder")
     with pytest.raises(ValueError, match="keep their masters as 'remainder'"):
         mpfunc_torch.get_state_dict(model, opt)
+
+
+@pytest.mark.parametrize("storage", ["remainder", "kahan", "stochastic"])
+def test_clipping_reports_schedulers_and_chunks_work_on_stored_masters(storage):
+    model = net()
+    model_c, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage,
+                           "bfloat16", chunks=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.zero_grad()
+    opt.backward(model_c(torch.randn(8, 16)).float().square().mean())
+    report = opt.precision_report()
+    assert report.names == ("0.weight", "0.bias", "2.weight", "2.bias")
+    assert report.nonfinite_names() == []
+    norm = opt.clip_grad_norm(1e-3)
+    assert float(norm) > 1e-3
+    before = [p.detach().clone() for p in model.parameters()]
+    assert bool(opt.step())
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 5e-3
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    print(opt.param_groups)  # a placeholder between steps prints (as NaN), safely

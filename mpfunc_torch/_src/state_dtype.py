@@ -9,7 +9,8 @@ rounds them back: to nearest (torch's cast), or stochastically with the shared r
 bits (`mpfunc_torch._src.rounding`; bfloat16 only), or, for 8 bits, with the shared
 blockwise fp8 quantiser (`quantize_fp8`, blocks of ``block`` consecutive elements in
 row-major order, one float32 scale each, kept under ``"<key>:scale"``; as torchao's
-``AdamWFp8``).
+``AdamWFp8``). A sharded (DTensor) state is quantised per local shard: its blocks, and
+so its codes, are those of the shard, not of the whole tensor.
 
 Which tensors: every floating state tensor with at least one dimension (scalars such as
 ``step`` stay as they are). Random-bit streams: the compressed keys of a param, sorted by
