@@ -126,6 +126,25 @@ def test_unscale_bandwidth(tmp_path):
     assert r["jax"]["device_copy_is_real_copy"] is True  # not aliased away by XLA
 
 
+def test_low_precision(tmp_path):
+    out = tmp_path / "r.json"
+    run_script("low_precision.py", "--params", "3000", "--rounds", "1", "--steps-per-round",
+               "1", "--steps", "2", "--layers", "1", "--width", "16", "--heads", "2",
+               "--context", "8", "--batch", "2", "--json", str(out))
+    r = json.loads(out.read_text())
+    per_param = r["bytes"]["bytes_per_param"]  # counted from the buffers: exact here
+    assert per_param["float32 masters"] == pytest.approx(14, abs=0.05)
+    assert per_param["remainder + bf16 state"] == pytest.approx(8, abs=0.05)
+    assert per_param["stochastic + bf16 state"] == pytest.approx(6, abs=0.05)
+    assert 4 < per_param["stochastic + 8-bit state"] < 4.1
+    runs = r["overhead"]["runs"]
+    assert runs["AdamW(foreach) on bf16 params"]["paired_median_ratio"] == 1
+    assert all(v["median_ms"] > 0 for v in runs.values())
+    losses = r["loss"]["runs"]
+    assert losses["float32 masters"]["gap_vs_float32_masters"] == 0
+    assert all(0 < v["eval_loss"] < 10 for v in losses.values())
+
+
 @pytest.mark.slow  # a child process per mode: about 30 s
 def test_torch_modes(tmp_path):
     out = tmp_path / "r.json"

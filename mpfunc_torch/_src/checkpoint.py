@@ -22,11 +22,13 @@ from _mpfunc_common.scale_config import (
     as_python_number,
     to_float32,
 )
+from mpfunc_torch._src.low_precision import low_precision_of
 from mpfunc_torch._src.master_weights import (
     check_saved_masters,
     copy_masters_to_model_,
     non_finite_names,
 )
+from mpfunc_torch._src.state_dtype import is_scale_key
 
 if TYPE_CHECKING:
     from mpfunc_torch._src.loss_scale import LossScaler
@@ -59,17 +61,23 @@ _IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
 def save(opt: AmpOptimizer) -> dict[str, Any]:
-    return {
+    lowp = low_precision_of(opt)
+    stored = lowp is not None and lowp.storage is not None  # no float32 masters to save
+    out = {
         "format": FORMAT,
         "mode": opt.plan.mode,
         "opt_level": opt.plan.opt_level,
         "optimizer": opt.optimizer.state_dict(),
         "scalers": [s.state_dict() for s in opt._scalers],
-        "master_weights": [m.detach().clone() for _, m in opt._pairs] or None,
+        "master_weights": None if stored else [m.detach().clone() for _, m in opt._pairs]
+        or None,
         # the model's names for each master's param (every name of a tied one), so that
         # `convert_checkpoint` can put the masters into the model's checkpoint
         "master_names": master_names(opt),
     }
+    if lowp is not None:  # masters or state below float32 (low_precision.LowPrecision)
+        out["low_precision"] = lowp.state_dict()
+    return out
 
 
 def master_names(opt: AmpOptimizer) -> list[list[str]] | None:
@@ -83,9 +91,10 @@ def master_names(opt: AmpOptimizer) -> list[list[str]] | None:
     return [names.get(id(p), []) for p, _ in opt._pairs]
 
 
-def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, dict]:
-    """Every check of `load`, changing nothing; returns the scaler values, the masters
-    and the inner state_dict to load (with this optimizer's implementation flags)."""
+def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, dict, Any]:
+    """Every check of `load`, changing nothing; returns the scaler values, the masters,
+    the inner state_dict to load (with this optimizer's implementation flags) and the
+    `LowPrecision` values (or None)."""
     _check_header(state_dict, opt.plan)
     scalers = state_dict["scalers"]
     if scalers is not None and (not isinstance(scalers, list | tuple)
@@ -96,12 +105,23 @@ def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, di
     values = None if scalers is None else [  # None: this optimizer's own initial scale
         s.check_state(sd, f"state_dict['scalers'][{i}]")
         for i, (s, sd) in enumerate(zip(opt._scalers, scalers))]
+    lowp, low = low_precision_of(opt), None
+    if lowp is not None:
+        low = lowp.check(state_dict.get("low_precision"), "state_dict['low_precision']")
+    elif state_dict.get("low_precision") is not None:
+        raise ValueError("`state_dict['low_precision']` is from a run that kept its masters "
+                         f"as {state_dict['low_precision'].get('storage')!r} (or its state "
+                         "below float32); this optimizer keeps float32 masters and state. "
+                         "Convert the checkpoint (convert_checkpoint).")
     saved = state_dict["master_weights"]
-    masters = None if isinstance(saved, str) and saved == FROM_MODEL else check_saved_masters(
+    masters = None if (isinstance(saved, str) and saved == FROM_MODEL) or (
+        lowp is not None and lowp.storage is not None) else check_saved_masters(
         saved, opt._pairs, "state_dict['master_weights']")
     _check_inner_state(state_dict["optimizer"], "state_dict['optimizer']")
+    if lowp is not None and lowp.state is not None:
+        lowp.state.check_saved(state_dict["optimizer"]["state"], "state_dict['optimizer']['state']")
     inner = _check_inner_fits(opt.optimizer, state_dict["optimizer"], "state_dict['optimizer']")
-    return values, masters, inner
+    return values, masters, inner, low
 
 
 def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
@@ -112,6 +132,8 @@ def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
         _check_inner_state(state_dict, "state_dict")
         opt.optimizer.load_state_dict(_check_inner_fits(opt.optimizer, state_dict,
                                                         "state_dict"))
+        if low_precision_of(opt) is not None:
+            low_precision_of(opt).after_inner_load_()
         return
     if isinstance(state_dict, dict) and "_growth_tracker" in state_dict:
         # ... and its GradScaler's state_dict(): the scale and growth tracker continue.
@@ -119,9 +141,12 @@ def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
         for s, v in zip(opt._scalers, values):
             s._apply(v)
         return
-    values, masters, inner = check(opt, state_dict)
+    values, masters, inner, low = check(opt, state_dict)
     # `check` ran torch's own load on a scratch copy, so this one does not fail.
     opt.optimizer.load_state_dict(inner)
+    if low is not None:
+        low_precision_of(opt).after_inner_load_()
+        low_precision_of(opt).load(low)
     for s, v in zip(opt._scalers, values or ()):
         s._apply(v)
     if masters is not None:  # else they come from the model's float32 checkpoint
@@ -269,7 +294,7 @@ def _check_inner_fits(inner: torch.optim.Optimizer, saved: dict[str, Any],
                 shape, whose = want.shape, "this optimizer's state"
             else:
                 shape, whose = _state_shape(inner, q, key), f"{type(inner).__name__}'s"
-            if shape is not None and t.shape != shape:
+            if shape is not None and t.shape != shape and not is_scale_key(key):
                 raise ValueError(f"`{name}` must have shape {tuple(shape)} ({whose}), got "
                                  f"{tuple(t.shape)}.")
     _check_step_values(steps)

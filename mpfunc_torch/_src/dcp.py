@@ -47,6 +47,14 @@ def _amp_optimizers(optimizers: Any) -> list:
             raise TypeError("`optimizers` must be the AmpOptimizer(s) from convert_to_amp (for "
                             "a plain torch optimizer use torch.distributed.checkpoint."
                             f"state_dict directly), got {type(o).__name__}.")
+    low = [getattr(o, "_lowp", None) for o in opts]  # mpfunc_torch._src.low_precision
+    if any(lp is not None for lp in low):
+        kind = next(lp.kind for lp in low if lp is not None)
+        raise ValueError(f"`optimizers` keep their masters as {kind!r} or their state below "
+                         "float32, which torch.distributed.checkpoint does not take through "
+                         "these functions yet; save AmpOptimizer.state_dict() (its "
+                         "remainders, compensation and stored state are sharded like the "
+                         "params) with the model's state_dict instead.")
     shared = opts[0]._shared
     if any(o._shared is not shared for o in opts):
         raise ValueError("`optimizers` must come from one convert_to_amp call (one shared "

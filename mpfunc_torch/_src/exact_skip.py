@@ -66,7 +66,8 @@ def step_in_kernel_(optimizer: torch.optim.Optimizer, owned: Sequence[torch.Tens
 
 def take_or_drop_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
                   pairs: Sequence, *, in_kernel: bool, host_skip: bool = False,
-                  chunked: ChunkedStep | None = None, on_skip: Any = None) -> None:
+                  chunked: ChunkedStep | None = None, on_skip: Any = None,
+                  low_precision: Any = None) -> None:
     """Runs ``optimizer``'s step if ``found_inf`` is 0, and copies masters to the model.
 
     Args:
@@ -79,11 +80,15 @@ def take_or_drop_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
       chunked: the `prepare_chunked_step_` result, for a step made chunk by chunk.
       on_skip: called (with nothing) where the host read that the step is skipped,
         before any gradient is released.
+      low_precision: the optimizer's `LowPrecision` (masters or state below float32):
+        its write-back runs around the inner step, so the skip is decided on the host.
     """
     if in_kernel:
         inner = functools.partial(fused.step_with_found_inf_, optimizer, None, found_inf)
     else:
         inner = optimizer.step
+    if low_precision is not None:
+        inner, host_skip = low_precision.wrap(inner), True
     take = (in_kernel and not host_skip) or not found_inf.item()  # the one host read, where there is one
     if not take and on_skip is not None:
         on_skip()
@@ -91,9 +96,11 @@ def take_or_drop_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
         finish_chunked_step_(chunked, found_inf, inner, take)
     elif take:
         inner()
-    if take:
+    if take and low_precision is not None:
+        low_precision.advance()
+    if take and (low_precision is None or low_precision.storage is None):
         copy_masters_to_model_(pairs)
-    else:
+    elif not take:
         mark_step_called(optimizer)
 
 
@@ -115,7 +122,8 @@ def exact_step_(opt, scaled: bool) -> torch.Tensor:
     # Which params make a step skip (scale_metrics(skip_leaves=True)): recorded on the
     # device every step where the host never reads the flag (from the check's own
     # per-gradient flags), else only on a skip.
-    every_step = opt._fused and not host_skip and opt._record_skips_every_step
+    lowp = getattr(opt, "_lowp", None)  # mpfunc_torch._src.low_precision: host skips
+    every_step = opt._fused and not host_skip and not lowp and opt._record_skips_every_step
     if opt._kernel_unscales and scaled and not host_skip:
         step_in_kernel_(opt.optimizer, opt._owned,
                         scaler.scale if scaler.kind != "none" else None, found, opt._groups,
@@ -144,8 +152,8 @@ def exact_step_(opt, scaled: bool) -> torch.Tensor:
         skip_flags_every_step_(opt, found)
     take_or_drop_(opt.optimizer, found, opt._pairs, in_kernel=opt._fused,
                   host_skip=host_skip, chunked=chunked,
-                  on_skip=None if opt._fused and not host_skip
-                  else lambda: skip_flags_on_skip_(opt))
+                  on_skip=None if opt._fused and not (host_skip or lowp)
+                  else lambda: skip_flags_on_skip_(opt), low_precision=lowp)
     if chunked and chunked.zeros is not None:
         opt.num_zeros_in_grad = global_zero_count(
             opt._owned, process_group=opt._clip_groups, mark_sources=opt._sources,

@@ -39,6 +39,9 @@ __all__ = [
     "model_versions",
     "follow_model_writes_",
     "check_saved_masters",
+    "store_master",
+    "stored_in",
+    "replace_master_",
 ]
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
@@ -82,6 +85,35 @@ def master_of(param: torch.Tensor) -> torch.Tensor | None:
     """The float32 master weight that steps in place of model ``param``, or None."""
     ref = _MASTER_OF.get(param)
     return ref() if ref is not None else None
+
+
+# A master kept below float32 between steps (`mpfunc_torch._src.master_storage`): its
+# float32 placeholder -> (a weak reference to) the storage that holds its value. Such a
+# master has no values of its own outside the step: the hooks below reach it through
+# its storage (``reset_to_param_``, ``load_mask``, ``follow_load_``).
+_STORED = WeakIdKeyDictionary()
+
+
+def store_master(master: torch.Tensor, storage: Any) -> None:
+    """Marks ``master`` as a placeholder whose value ``storage`` holds."""
+    _STORED[master] = weakref.ref(storage)
+
+
+def stored_in(master: torch.Tensor | None) -> Any:
+    """The storage holding ``master``'s value (`store_master`), or None."""
+    ref = _STORED.get(master) if master is not None else None
+    return ref() if ref is not None else None
+
+
+def replace_master_(optimizer: torch.optim.Optimizer, param: torch.Tensor,
+                    old: torch.Tensor, new: torch.Tensor) -> None:
+    """Puts ``new`` in ``optimizer``'s groups (and state) in place of ``param``'s master
+    ``old``, and makes it `master_of` ``param``."""
+    for group in optimizer.param_groups:
+        group["params"] = [new if q is old else q for q in group["params"]]
+    if old in optimizer.state:
+        optimizer.state[new] = optimizer.state.pop(old)
+    _MASTER_OF[param] = weakref.ref(new)
 
 
 def swap_in_masters_(optimizer: torch.optim.Optimizer,
@@ -214,7 +246,11 @@ def follow_model_writes_(pairs: Pairs, versions: dict[int, int]) -> None:
     for p, m in pairs:
         v = p._version
         if v != versions.get(id(p)):
-            m.copy_(p)
+            stored = stored_in(m)
+            if stored is None:
+                m.copy_(p)
+            else:
+                stored.reset_to_param_(m)
             versions[id(p)] = v
 
 
@@ -233,15 +269,15 @@ def follow_model_loads(model: nn.Module, pairs: Pairs,
     followed there, so `follow_model_writes_` leaves the loaded master alone. Returns the
     hook handles.
     """
-    master_of = {id(p): m for p, m in pairs}
+    with_master = {id(p) for p, _ in pairs}
     handles = []
     for module in model.modules():
-        masters = {n: master_of[id(p)] for n, p in module._parameters.items()
-                   if p is not None and id(p) in master_of}
-        if not masters:
+        names = [n for n, p in module._parameters.items()
+                 if p is not None and id(p) in with_master]
+        if not names:
             continue
-        tables = {n: versions[id(p)] for n, p in module._parameters.items() if n in masters}
-        follower = _LoadFollower(masters, tables)
+        tables = {n: versions[id(module._parameters[n])] for n in names}
+        follower = _LoadFollower(names, tables)
         handles.append(module.register_load_state_dict_pre_hook(follower.pre))
         handles.append(module.register_load_state_dict_post_hook(follower.post))
     return handles
@@ -249,41 +285,52 @@ def follow_model_loads(model: nn.Module, pairs: Pairs,
 
 class _LoadFollower:
     """The load hooks of one module: a module-level class (not closures), so a converted
-    model still pickles whole (``torch.save(model)``)."""
+    model still pickles whole (``torch.save(model)``). The masters are looked up when a
+    load happens (`master_of`), so a master replaced after conversion is followed."""
 
-    def __init__(self, masters: dict[str, torch.Tensor], versions: dict[str, dict[int, int]]):
-        self.masters = masters  # param name -> its master
+    def __init__(self, names: list[str], versions: dict[str, dict[int, int]]):
+        self.names = names  # the names of the params with a master
         self.versions = versions  # param name -> its optimizer's version table
-        self.seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.seen: dict[str, tuple] = {}
 
     def __getstate__(self):
-        return {"masters": self.masters, "versions": self.versions, "seen": {}}
+        return {"names": self.names, "versions": self.versions, "seen": {}}
 
     def pre(self, mod, state_dict, prefix, *_):
         self.seen.clear()
-        for n in self.masters:
+        for n in self.names:
             value = state_dict.get(prefix + n)
             if isinstance(value, torch.Tensor):
-                self.seen[n] = (mod._parameters[n], value)
+                param = mod._parameters[n]
+                master = master_of(param)
+                stored = stored_in(master)
+                # Where a master kept below float32 already rounds to the loaded half
+                # value: decided before the load overwrites the param it is built on.
+                keep = (stored.load_mask(master, value) if stored is not None
+                        and value.dtype == param.dtype else None)
+                self.seen[n] = (param, value, master, keep)
 
     def post(self, mod, _incompatible):
-        for n, (param, value) in self.seen.items():
-            _follow(mod, n, param, value, self.masters[n])
+        for n, (param, value, master, keep) in self.seen.items():
+            _follow(mod, n, param, value, master, keep)
             self.versions[n][id(param)] = param._version
         self.seen.clear()
 
 
 @torch.no_grad()
 def _follow(module: nn.Module, name: str, param: torch.Tensor, value: torch.Tensor,
-            master: torch.Tensor) -> None:
+            master: torch.Tensor | None, keep: torch.Tensor | None) -> None:
     current = module._parameters[name]
     if current is not param:  # load_state_dict(assign=True) swapped the param object
         if current is not None and current.shape == param.shape:
             param.copy_(current)
         module._parameters[name] = param
-    if value.shape != master.shape:
+    if master is None or value.shape != master.shape:
         return  # torch reports the size mismatch and raises
-    if value.dtype == param.dtype:
+    stored = stored_in(master)
+    if stored is not None:
+        stored.follow_load_(master, value, keep)
+    elif value.dtype == param.dtype:
         keep = master.to(param.dtype) == param
         master.copy_(torch.where(keep, master, param.to(master.dtype)))
     else:
@@ -323,6 +370,8 @@ def non_finite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
         shard = local(t)
         if shard.is_sparse:  # e.g. SGD's momentum for nn.Embedding(sparse=True)
             shard = shard.coalesce().values()
+        if shard.element_size() == 1 and shard.is_floating_point():
+            shard = shard.float()  # 8-bit state codes: torch has no isfinite for fp8
         flags.setdefault((shard.device, mesh), []).append((name, t, torch.isfinite(shard).all()))
     bad = []
     for (_, mesh), found in flags.items():
