@@ -1,12 +1,16 @@
-"""What naive's float32 function mode costs in eager mode.
+"""What the half-param modes' function modes cost in eager mode.
 
-naive and apex O2 run the model's forward under ``HalfModelFp32Functions``, a torch
-function mode: every torch call inside ``forward`` goes through its Python
-``__torch_function__``, and the listed ones (softmax, layer norm, losses) get float32
-copies of their inputs. This times a nanoGPT-style model's forward and its train step in
-naive mode with the mode and with it switched off (the old behaviour), interleaved,
-medians reported, and counts the torch calls one forward makes, for the cost per call.
-Under ``torch.compile`` the mode is casts in the graph and costs no Python.
+naive and apex O2 run the model's forward under ``HalfModelFp32Functions``, apex O3 (and
+any mode with half params and no masters) under ``HalfModelFunctions``: torch function
+modes, so every torch call inside ``forward`` goes through a Python
+``__torch_function__``. The listed functions (softmax, layer norm, losses) get float32
+copies of their inputs, and the matmuls, attention and norms check their operands for a
+float32 tensor made in ``forward`` to cast to the half dtype (the one-dtype rule). This
+times a nanoGPT-style model's forward and its train step in naive mode with the mode,
+without the one-dtype rule, and with the mode switched off (before either), and in apex O3
+with and without its mode, interleaved, medians reported, and counts the torch calls one
+forward makes, for the cost per call. Under ``torch.compile`` the modes are casts in the
+graph and cost no Python.
 
     python benchmarks/torch_function_mode.py [--device cpu|cuda] [--d 256] [--layers 4]
         [--batch 8] [--seq 128] [--rounds 7] [--iters 10] [--json out.json]
@@ -15,6 +19,7 @@ Under ``torch.compile`` the mode is casts in the graph and costs no Python.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -26,6 +31,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.overrides import TorchFunctionMode
 
 import mpfunc_torch
+from mpfunc_torch._src import autocast
 
 VOCAB = 512
 
@@ -74,15 +80,38 @@ class _Count(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def build(args, with_mode: bool):
+# variant -> (mode, config, how): "on" as converted; "no rule": the one-dtype rule
+# switched off; "off": the forward as it was before any function mode.
+VARIANTS = {
+    "naive, function mode off": ("naive", {"initial_scale": 2.0**16}, "off"),
+    "naive, without the one-dtype rule": ("naive", {"initial_scale": 2.0**16}, "no rule"),
+    "naive": ("naive", {"initial_scale": 2.0**16}, "on"),
+    "apex O3, function mode off": ("apex", {"opt_level": "O3", "verbosity": 0}, "off"),
+    "apex O3": ("apex", {"opt_level": "O3", "verbosity": 0}, "on"),
+}
+
+
+def build(args, mode, cfg, how):
     torch.manual_seed(0)
     net = GPT(args.d, args.layers, args.seq).to(args.device)
+    eps = 1e-4 if cfg.get("opt_level") == "O3" else 1e-8  # O3 steps float16 itself
     model, opt, _ = mpfunc_torch.convert_to_amp(
-        net, torch.optim.AdamW(net.parameters(), lr=1e-4), mode="naive",
-        initial_scale=2.0**16)
-    if not with_mode:
+        net, torch.optim.AdamW(net.parameters(), lr=1e-4, eps=eps), mode=mode, **cfg)
+    if how == "off":
         vars(net)["forward"].function_mode = None  # the forward as it was before
     return model, opt
+
+
+@contextlib.contextmanager
+def one_dtype_rule(on: bool):
+    """The one-dtype rule on or off (its list of functions emptied while off)."""
+    saved = autocast._SAME_DTYPE
+    if not on:
+        autocast._SAME_DTYPE = frozenset()
+    try:
+        yield
+    finally:
+        autocast._SAME_DTYPE = saved
 
 
 def main(argv=None):
@@ -99,7 +128,7 @@ def main(argv=None):
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, VOCAB, (args.batch, args.seq), generator=g).to(args.device)
     tgt = torch.randint(0, VOCAB, (args.batch, args.seq), generator=g).to(args.device)
-    runs = {"naive, function mode off": build(args, False), "naive": build(args, True)}
+    runs = {name: build(args, mode, cfg, how) for name, (mode, cfg, how) in VARIANTS.items()}
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     def step(model, opt):
@@ -119,30 +148,37 @@ def main(argv=None):
             fn(*run)  # warm up
     for _ in range(args.rounds):
         for name, run in runs.items():
-            for kind, fn in (("step", step), ("forward", forward)):
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(args.iters):
-                    fn(*run)
-                sync()
-                times[name][kind].append((time.perf_counter() - t0) / args.iters * 1e3)
+            with one_dtype_rule(VARIANTS[name][2] != "no rule"):
+                for kind, fn in (("step", step), ("forward", forward)):
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(args.iters):
+                        fn(*run)
+                    sync()
+                    times[name][kind].append((time.perf_counter() - t0) / args.iters * 1e3)
     med = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in times.items()}
     off, on = med["naive, function mode off"], med["naive"]
+    no_rule, o3_off, o3 = (med["naive, without the one-dtype rule"],
+                           med["apex O3, function mode off"], med["apex O3"])
     result = {
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "machine": platform.machine(), "torch": torch.__version__,
         "model": {"d": args.d, "layers": args.layers, "batch": args.batch, "seq": args.seq},
         "torch_calls_per_forward": count.calls, "ms": med,
         "forward_overhead_us_per_call": (on["forward"] - off["forward"]) * 1e3 / count.calls,
+        "one_dtype_rule_forward_ratio": {"naive": on["forward"] / no_rule["forward"],
+                                         "apex O3": o3["forward"] / o3_off["forward"]},
     }
     print("| variant | step (ms) | forward (ms) |\n| --- | --- | --- |")
     for name, m in med.items():
         print(f"| {name} | {m['step']:.2f} | {m['forward']:.2f} |")
-    print(f"\n{count.calls} torch calls per forward; the mode adds "
+    ratio = result["one_dtype_rule_forward_ratio"]
+    print(f"\n{count.calls} torch calls per forward; naive's mode adds "
           f"{on['forward'] - off['forward']:+.2f} ms to the forward "
           f"({result['forward_overhead_us_per_call']:+.1f} us per call), "
-          f"{on['step'] - off['step']:+.2f} ms to the step; device {result['device']}, "
-          f"torch {torch.__version__}")
+          f"{on['step'] - off['step']:+.2f} ms to the step; the one-dtype rule's forward "
+          f"ratio: naive {ratio['naive']:.3f}, apex O3 {ratio['apex O3']:.3f} (its whole "
+          f"mode); device {result['device']}, torch {torch.__version__}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -169,9 +169,12 @@ def test_torch_function_mode(tmp_path):
     run_script("torch_function_mode.py", "--d", "16", "--layers", "1", "--batch", "2",
                "--seq", "8", "--rounds", "1", "--iters", "1", "--json", str(out))
     r = json.loads(out.read_text())
-    assert set(r["ms"]) == {"naive", "naive, function mode off"}
+    assert set(r["ms"]) == {"naive", "naive, function mode off",
+                            "naive, without the one-dtype rule", "apex O3",
+                            "apex O3, function mode off"}
     assert r["torch_calls_per_forward"] > 20  # every torch call in forward goes through it
     assert all(v > 0 for m in r["ms"].values() for v in m.values())
+    assert set(r["one_dtype_rule_forward_ratio"]) == {"naive", "apex O3"}
 
 
 def test_torch_modes_in_process_peaks_free_each_variant_first(monkeypatch):

@@ -1,7 +1,8 @@
 """`mpfunc_torch.transformers.AmpTrainer` in real ``Trainer.train`` runs of a tiny GPT-2
 (random init, CPU), in every mode: the loss falls, a planted inf skips one step with
 nothing changed and the LR schedule waits, clipping and accumulation on unscaled
-gradients, the scale in the log history, exact resumption from a checkpoint."""
+gradients, the scale in the log history, exact resumption from a checkpoint, a loss
+computed outside the model in the mode's precision."""
 
 from __future__ import annotations
 
@@ -162,6 +163,31 @@ def test_gradient_accumulation_scales_each_micro_batch_and_unscales_once(mode, c
     assert n_acc == pytest.approx(n_whole, rel=1e-2)
     for a, w in zip(accumulated, whole):
         assert torch.allclose(a, w, rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode, cfg, logits", [
+    ("torch", {"init_scale": 2.0**8}, torch.float16),
+    ("apex", {"opt_level": "O1", "verbosity": 0, "loss_scale": 2.0**8}, torch.float16),
+    ("naive", {"initial_scale": 2.0**8}, torch.float32)])
+def test_a_loss_computed_outside_the_model_runs_in_the_modes_precision(mode, cfg, logits,
+                                                                       tmp_path):
+    # `compute_loss_func` gets the model's outputs (float16 logits under autocast) and
+    # runs inside the Trainer's compute_loss_context_manager, which carries the mode's
+    # autocast and function mode: a float32 loss. Before, torch's and O1's was float16.
+    seen = []
+
+    def loss_fn(outputs, labels, num_items_in_batch=None):
+        out = outputs.logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
+                                                 labels[:, 1:].reshape(-1))
+        seen.append((out.dtype, loss.dtype))
+        return loss
+
+    trainer = AmpTrainer(model=gpt2(), args=args(tmp_path, max_steps=2),
+                         train_dataset=Tokens(), amp_mode=mode, amp_config=cfg,
+                         compute_loss_func=loss_fn)
+    trainer.train()
+    assert set(seen) == {(logits, torch.float32)}
 
 
 def test_scale_metrics_and_the_optimizer_after_train(tmp_path):

@@ -1,7 +1,10 @@
 """`mpfunc_torch.lightning.AmpPrecision` inside real Lightning ``Trainer.fit`` runs (tiny
 model, CPU), in every mode: the loss falls, a planted inf skips one step with nothing
 changed, clipping sees unscaled gradients, accumulation, logging, exact resumption; with
-both Lightning packages (``pytorch_lightning`` and ``lightning``)."""
+both Lightning packages (``pytorch_lightning`` and ``lightning``). Lightning's own
+transformer example (its demo ``Transformer``, tests/lightning_example.py) in every mode:
+a float32 loss in its steps, exact resumption where Lightning's float32 resumes exactly,
+and Lightning's DDP strategies (2 gloo processes in the slow suite, 1 rank here)."""
 
 from __future__ import annotations
 
@@ -9,10 +12,16 @@ import copy
 import functools
 import importlib
 import logging
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from lightning_example import LanguageModel, run
+from lightning_example import loader as example_loader
 from torch_task import TRAINER_MODES, same
 
 from mpfunc_torch.lightning import AmpPrecision
@@ -357,3 +366,169 @@ def test_bad_arguments_are_clear_errors(gloo_world):
                                          r"wrapped the model in DistributedDataParallel"):
         AmpPrecision("naive").connect(ddp, [torch.optim.SGD(fresh.parameters(), lr=0.1)], [])
     assert fresh.net[0].weight.dtype == torch.float32  # nothing was changed
+
+
+# ---------------------------------------------------------------------------------------
+# Lightning's transformer example (tests/lightning_example.py): the demo Transformer makes
+# float32 tensors in its forward, and the loss is computed in training_step.
+
+def example_fit(plugin, ckpt_path=None, callbacks=(), plant=None, **kw):
+    """Fits the example for 2 epochs of 3 batches (no shuffling, no dropout); returns the
+    model, the trainer, and everything that must resume: params and the optimizer's
+    state (with `AmpPrecision`: masters, inner state, loss scale and counters)."""
+    L = package("pytorch_lightning")
+    net = LanguageModel(plant=plant)
+    kw.setdefault("max_epochs", 2)
+    saves = any(isinstance(c, L.callbacks.ModelCheckpoint) for c in callbacks)
+    t = trainer(plugins=None if plugin is None else [plugin], callbacks=list(callbacks),
+                enable_checkpointing=saves, limit_val_batches=1, **kw)
+    t.fit(net, example_loader(world=1), example_loader(world=1), ckpt_path=ckpt_path)
+    return net, t, {"model": net.state_dict(), "optimizer": t.optimizers[0].state_dict()}
+
+
+def every_epoch(folder):
+    L = package("pytorch_lightning")
+    return L.callbacks.ModelCheckpoint(dirpath=folder, every_n_epochs=1, save_top_k=-1)
+
+
+@pytest.mark.parametrize("mode, cfg", PARAMS)
+def test_the_lightning_example_trains_with_a_float32_loss_and_resumes_exactly(mode, cfg,
+                                                                             tmp_path):
+    # naive, apex O2 and O3 failed in Lightning's sanity validation step before ("expected
+    # m1 and m2 to have the same dtype"), and naive's loss in training_step was float16.
+    net, t, state = example_fit(AmpPrecision(mode, **cfg), plant=(0, 4),
+                                callbacks=[every_epoch(tmp_path)])
+    # apex O3 is pure float16 (no float32 function list); every other mode's loss in
+    # training_step and validation_step is float32
+    loss_dtype = torch.float16 if cfg.get("opt_level") == "O3" else torch.float32
+    assert net.dtypes == {"train": loss_dtype, "validation": loss_dtype}
+    losses = [float(v) for v in net.losses]
+    assert losses[4] == float("inf")  # planted at step 4 (epoch 1), skipped
+    assert (losses[3] + losses[5]) / 2 < sum(losses[:3]) / 3 - 0.2, losses  # it learns
+    assert t.strategy.precision_plugin.scale_metrics(as_python=True)["skipped_steps"] == 1
+    # Resumed from the end of epoch 0, bit for bit: params, masters, optimizer state,
+    # loss scale and counters (the planted skip happens after the resume).
+    with warnings.catch_warnings():  # the folder holds the checkpoint resumed from
+        warnings.filterwarnings("ignore", "Checkpoint directory .* exists", UserWarning)
+        again, t2, resumed = example_fit(AmpPrecision(mode, **cfg), plant=(0, 4),
+                                         ckpt_path=next(tmp_path.glob("epoch=0-*.ckpt")),
+                                         callbacks=[every_epoch(tmp_path)])
+    assert same(resumed, state)
+    t2.test(again, example_loader(world=1), verbose=False)
+    t2.predict(again, example_loader(world=1))
+    assert again.dtypes["test"] == again.dtypes["predict"] == loss_dtype
+
+
+@pytest.mark.slow  # 6 fits, ~10 s: it checks Lightning itself, which the docs describe
+def test_lightning_itself_resumes_float32_exactly_only_from_an_epoch_boundary(tmp_path):
+    L = package("pytorch_lightning")
+
+    class Seen(L.Callback):
+        def __init__(self):
+            self.seen = []  # (global step, the batch's first token)
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.seen.append((trainer.global_step, int(batch[0][0, 0])))
+
+    def fit(ckpt_path=None, callbacks=(), **kw):
+        seen = Seen()
+        with warnings.catch_warnings():  # the resumed fits have no checkpoint callbacks
+            warnings.filterwarnings("ignore", "Be aware that when using `ckpt_path`")
+            _, t, state = example_fit(None, ckpt_path, [seen, *callbacks], **kw)
+        return state, seen.seen, t
+
+    mid = L.callbacks.ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=4,
+                                      save_top_k=-1)
+    ref, seen, _ = fit(callbacks=[every_epoch(tmp_path / "epoch"), mid])
+    epoch_end = next((tmp_path / "epoch").glob("epoch=0-*.ckpt"))
+    assert same(fit(epoch_end)[0], ref)
+    _, _, t = fit(max_epochs=1)  # a fit that ended at an epoch boundary: exact too
+    t.save_checkpoint(tmp_path / "epoch_end.ckpt")
+    assert same(fit(tmp_path / "epoch_end.ckpt")[0], ref)
+    # Mid-epoch (after step 4, the 2nd batch of epoch 1): the plain DataLoader restarts
+    # the epoch's data, and the epoch ends after the batches it had left. Lightning warns.
+    not_resumable = "ended before the epoch ended and your dataloader is not resumable"
+    with pytest.warns(UserWarning, match=not_resumable):
+        state, resumed, _ = fit(next((tmp_path / "mid").glob("*step=4.ckpt")))
+    assert not same(state, ref)
+    assert resumed == [(4, seen[3][1]), (5, seen[4][1])] + seen[6:]
+    # trainer.save_checkpoint after a fit that max_steps stopped mid-epoch: the resumed
+    # fit counts the stopped epoch as done and goes on with the next one (here there is
+    # none: the 2 steps left of epoch 1 never run); no warning.
+    _, _, t = fit(max_steps=4)
+    t.save_checkpoint(tmp_path / "stopped.ckpt")
+    state, resumed, _ = fit(tmp_path / "stopped.ckpt")
+    assert not same(state, ref)
+    assert resumed == []
+
+
+# The variables Lightning's launcher sets in the process that runs a "ddp" fit.
+_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED")
+
+
+@pytest.fixture
+def launcher_env():
+    """The environment as it was, after a "ddp" fit in this process (Lightning's launcher
+    sets LOCAL_RANK, MASTER_PORT, ..., which later trainers, HF's too, would read)."""
+    saved = dict(os.environ)
+    for var in _LAUNCH_ENV:
+        os.environ.pop(var, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("mode", ["naive", "O2"])
+def test_ddp_casts_before_the_wrap_on_one_gloo_rank(mode, gloo_world, launcher_env):
+    # The code path of Lightning's DDP on 1 rank: the plugin casts the params in
+    # convert_module, DDP wraps the float16 model, the masters start from the float32
+    # values kept for them. One rank averages nothing: bit for bit the single-device run.
+    # (No DistributedSampler: Lightning's shuffles the training data under DDP.)
+    ddp = run(mode, "ddp", devices=1, plant=(0, 2), use_distributed_sampler=False)
+    single = run(mode, "auto", devices=1, plant=(0, 2))
+    assert (ddp["wrapped"], single["wrapped"]) == ("DistributedDataParallel", "LanguageModel")
+    assert ddp["params"]["model.decoder.weight"].dtype == torch.float16
+    assert ddp["owned"][0].dtype == torch.float32
+    assert same(ddp["params"], single["params"]) and same(ddp["owned"], single["owned"])
+    assert ddp["metrics"]["skipped_steps"] == 1
+    assert same(ddp["around"]["before"], ddp["around"]["after"])
+
+
+def launch_example(out: Path, strategy: str, modes: list[str]) -> dict:
+    """Runs tests/lightning_example.py with ``strategy`` on 2 CPU processes; returns each
+    mode's two ranks' results."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+               OMP_NUM_THREADS="1")
+    for var in _LAUNCH_ENV:
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("lightning_example.py")),
+                           str(out), strategy, *modes], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {m: [torch.load(out / f"{m}-{r}.pt", weights_only=False) for r in (0, 1)]
+            for m in modes}
+
+
+@pytest.mark.slow  # 2 processes, ~20 s a mode on a loaded 2-core CPU
+@pytest.mark.parametrize("strategy, modes", [("ddp", ["naive", "O2", "O3", "O1", "torch"]),
+                                             ("ddp_spawn", ["naive"])])
+def test_lightning_ddp_on_two_gloo_processes(strategy, modes, tmp_path):
+    # Under "ddp" the ranks build different models (their own seeds): DDP broadcasts rank
+    # 0's params when it wraps the model, and the plugin rank 0's float32 values for the
+    # masters (without that, naive's ranks' params differed after the first step).
+    for mode, (r0, r1) in launch_example(tmp_path, strategy, modes).items():
+        assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2)
+        assert r0["wrapped"] == "DistributedDataParallel"
+        half = mode in ("naive", "O2", "O3")
+        assert (r0["params"]["model.decoder.weight"].dtype == torch.float16) == half
+        assert same(r0["params"], r1["params"]) and same(r0["owned"], r1["owned"]), mode
+        # rank 1 alone planted an inf at step 2: both ranks skipped it, nothing changed
+        assert r1["losses"][2] == float("inf") and r0["losses"][2] != float("inf")
+        for r in (r0, r1):
+            assert r["metrics"]["skipped_steps"] == 1, mode
+            assert same(r["around"]["before"], r["around"]["after"]), mode
+        # it learns (apex O3, with Adam's state in float16, slowly: 0.13 and 0.02 on the
+        # two ranks, against 0.40-0.48 in the other modes)
+        fell = [sum(r["losses"][:2]) / 2 - sum(r["losses"][3:]) / 3 for r in (r0, r1)]
+        assert min(fell) > (0 if mode == "O3" else 0.3), (mode, fell)

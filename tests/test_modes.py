@@ -397,6 +397,44 @@ def test_half_modes_run_a_stock_nnx_models_matmuls_in_half(mode, cfg):
         assert amp.apply_fn(p16, tokens).dtype == F32
 
 
+@pytest.mark.parametrize("mode, cfg", [("naive", {}), ("apex", {"opt_level": "O3"}),
+                                       ("apex", {"opt_level": "O2"})])
+def test_float32_constants_made_in_apply_fn_leave_the_matmuls_in_half(mode, cfg):
+    # The torch side's demo Transformer case: a positional encoding and a mask made in
+    # float32 inside the model. With standard promotion they promote the activations to
+    # float32, and plain flax with float16 params then computes every matmul in float32;
+    # the half modes still run each matmul f16 x f16 (float32 accumulation). With strict
+    # promotion (as these tests run) the user's own `x + pe` is a TypePromotionError: loud,
+    # never a silent float32 matmul.
+    import flax.linen as nn
+
+    class PosModel(nn.Module):
+        @nn.compact
+        def __call__(self, tok):
+            t = tok.shape[1]
+            x = nn.Embed(VOCAB, 16)(tok)
+            pos = jnp.arange(t).astype(jnp.float32)[:, None]  # float32, made in apply
+            pe = jnp.sin(pos * jnp.exp(-jnp.arange(16).astype(jnp.float32) / 16))
+            h = nn.Dense(16)(x + pe)
+            mask = jnp.where(jnp.tril(jnp.ones((t, t), bool)), 0.0, -1e4)  # float32
+            att = jax.nn.softmax(jnp.einsum("btd,bsd->bts", h, h) + mask, -1)
+            return nn.Dense(VOCAB)(jnp.einsum("bts,bsd->btd", att, h))
+
+    net, tokens = PosModel(), jnp.zeros((2, 8), jnp.int32)
+    params = net.init(jax.random.key(0), tokens)
+    amp = mpfunc.convert_to_amp(net.apply, optax.sgd(0.1), mode=mode, **cfg,
+                                **({"verbosity": 0} if mode == "apex" else {}))
+    p16 = amp.cast_params(params)
+    with jax.numpy_dtype_promotion("standard"):
+        assert dot_operand_dtypes(amp.apply_fn, p16, tokens) == {("float16", "float16"): 4}
+        grad_fn = jax.grad(lambda p: amp.apply_fn(p, tokens).sum())
+        assert set(dot_operand_dtypes(grad_fn, p16)) == {("float16", "float16")}
+        plain = jax.tree.map(lambda a: a.astype(jnp.float16), params)  # model.half()
+        assert dot_operand_dtypes(net.apply, plain, tokens) == {("float32", "float32"): 4}
+    with pytest.raises(jax.dtypes.TypePromotionError, match="no available implicit"):
+        amp.apply_fn(p16, tokens)
+
+
 def test_apex_o2_norm_output_goes_back_to_the_compute_dtype():
     # The op after the norm (tanh here) sees float16, as the torch side's norm hooks give;
     # the norm's own arithmetic with its float32 params runs in float32.

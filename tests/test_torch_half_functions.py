@@ -1,7 +1,10 @@
 """naive and apex O2 run the precision-sensitive functions in float32 (issue 40, item 4):
 losses, log_softmax, softmax and the norms, in the criterion and inside ``forward``
-(HuggingFace models given ``labels=``, nanoGPT computing ``F.cross_entropy``). Checked
-on the aten ops that really run (a dispatch mode), forward and backward."""
+(HuggingFace models given ``labels=``, nanoGPT computing ``F.cross_entropy``). Every mode
+with half params takes float32 tensors made inside ``forward`` (Lightning's demo
+Transformer's positional encoding and masks, rotary tables), its layers computing in
+their weights' dtype. Checked on the aten ops that really run (a dispatch mode), forward
+and backward."""
 
 import logging
 import math
@@ -13,8 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import mpfunc_torch
-from _mpfunc_common.amp_config import APEX_O1_FP32_FUNCTIONS
-from mpfunc_torch._src.autocast import HALF_MODEL_FP32_FUNCTIONS, HalfModelFp32Functions
+from _mpfunc_common.amp_config import APEX_O1_FP32_FUNCTIONS, resolve_amp
+from mpfunc_torch._src.autocast import (
+    HALF_MODEL_FP32_FUNCTIONS,
+    SAME_DTYPE_FUNCTIONS,
+    HalfModelFp32Functions,
+    HalfModelFunctions,
+    function_mode,
+)
 
 HALF_MODES = [("naive", {"initial_scale": 2.0**16}),
               ("apex", {"opt_level": "O2", "verbosity": 0})]
@@ -25,18 +34,21 @@ WATCHED = ("_log_softmax", "_softmax", "nll_loss", "native_layer_norm")
 
 
 class Ops(TorchDispatchMode):
-    """Records the floating dtypes of each watched aten op's tensor arguments."""
+    """Records the floating dtypes of each watched aten op's tensor arguments (the first
+    ``operands`` positional ones, if given)."""
 
-    def __init__(self):
+    def __init__(self, watched=WATCHED, operands=None):
         super().__init__()
         self.seen: dict[str, set] = {}
+        self.watched, self.operands = watched, operands
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name.startswith(WATCHED):
+        if name.startswith(self.watched):
+            tree = (args, kwargs) if self.operands is None else args[:self.operands]
             self.seen.setdefault(name, set()).update(
-                t.dtype for t in tree_leaves((args, kwargs))
+                t.dtype for t in tree_leaves(tree)
                 if isinstance(t, torch.Tensor) and t.is_floating_point())
         return func(*args, **kwargs)
 
@@ -200,6 +212,144 @@ def test_activation_checkpointing_recomputes_in_the_same_precision(mode, cfg):
     # torch's checkpoint alone recomputes the list's functions in float16, and says so
     with pytest.raises(CheckpointError, match="dtype"):
         grads(True, context=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Float32 tensors made inside forward, in every mode with half params
+
+HALF_PARAM_MODES = HALF_MODES + [
+    ("apex", {"opt_level": "O3", "verbosity": 0}),
+    # the rule keys off the params' dtype, not the mode's name: O2 with bfloat16 params
+    ("apex", {"opt_level": "O2", "cast_model_type": "bfloat16", "verbosity": 0})]
+HALF_PARAM_IDS = HALF_IDS + ["O3", "O2-bfloat16"]
+# The aten ops behind the matmuls and the attention; their first three operands.
+MATMULS = ("mm", "addmm", "bmm", "_scaled_dot_product")
+
+
+def demo_transformer():
+    """Lightning's demo model (what its examples train): it makes its positional encoding
+    (``torch.zeros``, ``torch.arange(...).float()``) and its masks (``.float()``) inside
+    ``forward``, in float32."""
+    demos = pytest.importorskip("pytorch_lightning.demos")
+    torch.manual_seed(0)
+    return demos.Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1,
+                             dropout=0.0)
+
+
+@pytest.mark.parametrize("mode, cfg", HALF_PARAM_MODES, ids=HALF_PARAM_IDS)
+def test_the_lightning_demo_transformer_trains_with_tensors_made_in_forward(mode, cfg):
+    # Before: RuntimeError "expected m1 and m2 to have the same dtype, but got: float !=
+    # c10::Half" at the first Linear after the float32 positional encoding.
+    idx, tgt = tokens()
+    ref = F.nll_loss(demo_transformer()(idx, tgt), tgt.view(-1))  # the float32 model
+    net = demo_transformer()
+    model, opt, _ = convert(net, mode, cfg)
+    half = net.decoder.weight.dtype
+    assert half == (torch.bfloat16 if "cast_model_type" in cfg else torch.float16)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        with Ops(MATMULS, operands=3) as ops:
+            loss = F.nll_loss(model(idx, tgt), tgt.view(-1))
+            opt.backward(loss)
+        assert bool(opt.step())
+        losses.append(loss.item())
+        # every matmul and the attention ran in the params' dtype, forward and backward
+        assert {"mm", "addmm"} <= set(ops.seen) and any(k.startswith("_scaled") for k in ops.seen)
+        assert all(dtypes == {half} for dtypes in ops.seen.values()), ops.seen
+    assert net.pos_encoder.pe.dtype == torch.float32  # made in forward, as written
+    assert abs(losses[0] - ref.item()) < (0.05 if half == torch.bfloat16 else 0.01)
+    assert losses[2] < losses[1] < losses[0] - 0.02, losses  # it learns
+
+
+def test_the_one_dtype_rule_casts_tensors_made_in_forward_not_params_or_masks():
+    x = torch.randn(2, 4, 8, dtype=torch.float16)
+    w = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float16))
+    rot = torch.arange(8).float()  # a rotary-style table, float32
+    mask = torch.zeros(4, 4).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), -1e4)
+    with pytest.raises(RuntimeError, match="same dtype"):  # without the rule
+        F.linear(x * rot, w)
+    norm_w = torch.nn.Parameter(torch.ones(8))  # float32, as apex O2 keeps a norm's
+    with HalfModelFunctions():
+        assert (x * rot).dtype == torch.float32  # pointwise ops promote, left alone
+        assert F.linear(x * rot, w).dtype == torch.float16
+        assert ((x * rot) @ x.transpose(1, 2)).dtype == torch.float16
+        assert F.scaled_dot_product_attention(x * rot, x, x).dtype == torch.float16
+        assert F.linear(torch.zeros(3, 8), w.bfloat16()).dtype == torch.bfloat16
+        with Ops(("_scaled_dot_product", "native_layer_norm")) as ops:
+            F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+            F.scaled_dot_product_attention(x, x, x, mask)  # by position too
+            y = F.layer_norm(x, (8,), norm_w)
+    # The mask and the float32 norm weight reach their kernels as they were.
+    assert all(torch.float32 in dtypes for dtypes in ops.seen.values()), ops.seen
+    assert torch.equal(y, F.layer_norm(x, (8,), norm_w))
+    assert {"linear", "matmul", "scaled_dot_product_attention", "layer_norm",
+            "conv2d"} <= set(SAME_DTYPE_FUNCTIONS)
+
+
+def test_every_plan_with_half_params_gets_the_rule():
+    # Keyed off the plan's param dtype (and masters for the float32 list), never the
+    # mode's name: a mode added later with half params gets the rule as it is.
+    import dataclasses
+
+    naive = resolve_amp("naive", {})
+    assert function_mode(naive) == "half"
+    assert function_mode(dataclasses.replace(naive, master_weights=False)) == "half-pure"
+    pure_bf16 = dataclasses.replace(naive, cast_model_type="bfloat16", master_weights=False)
+    assert function_mode(pure_bf16) == "half-pure"
+    assert function_mode(resolve_amp("apex", {"opt_level": "O3"})) == "half-pure"
+    for float32_params in ("torch", "bf16", "fp8"):
+        assert function_mode(resolve_amp(float32_params, {})) is None
+
+
+def test_a_converted_forward_inside_a_step_context_runs_the_mode_once():
+    # Lightning runs each step under the mode (step_context); a training_step calling the
+    # converted forward (self(x)) does not stack a second copy, which would run every
+    # torch call through the Python mode twice.
+    from torch.overrides import _get_current_function_mode_stack
+
+    from mpfunc_torch._src.autocast import step_context
+
+    class Depth(torch.nn.Linear):
+        def forward(self, x):
+            self.modes = [type(m) for m in _get_current_function_mode_stack()]
+            return super().forward(x)
+
+    for mode, cfg, kind in [("naive", {}, HalfModelFp32Functions),
+                            ("apex", {"opt_level": "O3", "verbosity": 0}, HalfModelFunctions)]:
+        net = Depth(4, 4)
+        model, opt, _ = convert(net, mode, cfg)
+        model(torch.randn(2, 4))
+        assert net.modes == [kind]
+        with step_context(opt.plan, "cpu"):
+            model(torch.randn(2, 4))
+        assert net.modes == [kind]
+
+
+def test_torch_compile_traces_the_one_dtype_rule_into_one_graph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    class PosLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            pe = torch.sin(torch.arange(x.shape[1]).float())[:, None]  # float32
+            return self.fc(x + pe)
+
+    torch._dynamo.reset()
+    try:
+        x = torch.randn(2, 4, 8)
+        torch.manual_seed(0)
+        eager, _, _ = convert(PosLinear(), "apex", {"opt_level": "O3", "verbosity": 0})
+        torch.manual_seed(0)
+        model, _, _ = convert(PosLinear(), "apex", {"opt_level": "O3", "verbosity": 0})
+        counter = CompileCounterWithBackend("aot_eager")
+        out = torch.compile(model, backend=counter, fullgraph=True)(x)
+        assert counter.frame_count == 1 and torch.equal(out, eager(x))
+    finally:
+        torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------------------------

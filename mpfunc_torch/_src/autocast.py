@@ -1,6 +1,7 @@
 """apex O1's fp32 function list, enforced on top of ``torch.autocast``, its half-model
-counterpart for naive and apex O2 (`HalfModelFp32Functions`), and both in the recompute
-of activation checkpointing (`checkpoint_context_fn`).
+counterpart for naive and apex O2 (`HalfModelFp32Functions`), the one-dtype rule of every
+half-param mode (`HalfModelFunctions`), and all of them in the recompute of activation
+checkpointing (`checkpoint_context_fn`) and around a trainer's step (`step_context`).
 
 ``torch.autocast`` already runs many precision-sensitive ops in float32 on CUDA, but
 its lists differ by device (on CPU, fp16 autocast runs softmax, exp, layer_norm and sum
@@ -33,18 +34,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from _mpfunc_common.amp_config import APEX_O1_FP32_FUNCTIONS
 
-__all__ = ["Fp32Functions", "HalfModelFp32Functions", "HALF_MODEL_FP32_FUNCTIONS",
-           "fp32_callables", "function_mode", "checkpoint_context_fn"]
+__all__ = ["Fp32Functions", "HalfModelFunctions", "HalfModelFp32Functions",
+           "HALF_MODEL_FP32_FUNCTIONS", "SAME_DTYPE_FUNCTIONS", "fp32_callables",
+           "function_mode", "mode_active", "step_context", "checkpoint_context_fn"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -66,6 +68,20 @@ HALF_MODEL_FP32_FUNCTIONS = {
 }
 
 
+# Every half-param mode: ops whose kernels take their operands in one floating dtype. A
+# float32 operand that is not a Parameter is cast to the call's half dtype.
+SAME_DTYPE_FUNCTIONS = (
+    "linear", "bilinear", "matmul", "mm", "bmm", "mv", "addmm", "addmv", "addbmm",
+    "baddbmm", "einsum", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "scaled_dot_product_attention",
+    "multi_head_attention_forward", "batch_norm", "instance_norm", "layer_norm",
+    "group_norm", "rms_norm", "embedding_bag", "prelu",
+)
+# The attention masks, left as they are (by keyword, and by position for the functions
+# that take them positionally).
+_MASK_NAMES = frozenset({"attn_mask", "key_padding_mask"})
+
+
 def fp32_callables(names=APEX_O1_FP32_FUNCTIONS) -> frozenset:
     """The torch, ``torch.nn.functional`` and ``Tensor`` callables for ``names``."""
     found = set()
@@ -80,6 +96,9 @@ def fp32_callables(names=APEX_O1_FP32_FUNCTIONS) -> frozenset:
 _FP32_CALLABLES = fp32_callables()
 _HALF_MODEL_F32_OUT = fp32_callables(HALF_MODEL_FP32_FUNCTIONS["float32 result"])
 _HALF_MODEL_F32_IN = fp32_callables(HALF_MODEL_FP32_FUNCTIONS["input dtype result"])
+_SAME_DTYPE = fp32_callables(SAME_DTYPE_FUNCTIONS)
+_MASK_POSITIONS = {F.scaled_dot_product_attention: (3,),
+                   F.multi_head_attention_forward: (14, 16)}
 
 
 def _to_f32(x: torch.Tensor) -> torch.Tensor:
@@ -113,16 +132,46 @@ class Fp32Functions(TorchFunctionMode):
 def function_mode(plan) -> str | None:
     """The function mode a converted forward runs under: ``"o1"`` (apex O1's fp32 list
     on top of autocast), ``"half"`` (`HalfModelFp32Functions`: the half-precision
-    models with float32 master weights, naive and apex O2; O3 stays pure float16) or
-    None."""
+    models with float32 master weights, naive and apex O2), ``"half-pure"``
+    (`HalfModelFunctions` only: any other mode with half params, such as apex O3, which
+    stays pure float16) or None."""
     if not plan.enabled:
         return None
     if plan.apex_fp32_functions and plan.autocast_dtype is not None:
         return "o1"
-    if (plan.cast_model_type in ("float16", "bfloat16") and plan.master_weights
-            and plan.autocast_dtype is None):
-        return "half"
+    if plan.cast_model_type in ("float16", "bfloat16") and plan.autocast_dtype is None:
+        return "half" if plan.master_weights else "half-pure"
     return None
+
+
+@contextlib.contextmanager
+def step_context(plan, device_type: str) -> Iterator[None]:
+    """The precision a trainer's step runs in, around code outside the model's forward
+    (Lightning's ``training_step``, HF's ``compute_loss``): the mode's autocast and its
+    function mode (`function_mode`), as inside the converted forward. So a loss computed
+    there from the model's half outputs runs in float32 in naive and apex O2, as it would
+    inside ``forward``, and a float32 tensor made there meets a half layer in its dtype.
+
+    Examples:
+      >>> import torch
+      >>> from _mpfunc_common.amp_config import resolve_amp
+      >>> logits = torch.randn(4, 8, dtype=torch.float16)
+      >>> with step_context(resolve_amp("naive", {}), "cpu"):
+      ...     torch.nn.functional.cross_entropy(logits, torch.arange(4)).dtype
+      torch.float32
+    """
+    kind = function_mode(plan)
+    with contextlib.ExitStack() as stack:
+        if plan.enabled and plan.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(device_type,
+                                               dtype=getattr(torch, plan.autocast_dtype)))
+        if kind == "o1":
+            stack.enter_context(Fp32Functions(device_type))
+        elif kind == "half":
+            stack.enter_context(HalfModelFp32Functions())
+        elif kind == "half-pure":
+            stack.enter_context(HalfModelFunctions())
+        yield
 
 
 def _first_half_dtype(tree: Any) -> torch.dtype | None:
@@ -132,7 +181,80 @@ def _first_half_dtype(tree: Any) -> torch.dtype | None:
     return None
 
 
-class HalfModelFp32Functions(TorchFunctionMode):
+def _operands(args: tuple, kwargs: dict, masks: tuple) -> Iterator[Any]:
+    """The tensors of a call, one level into lists (``einsum``'s), masks left out."""
+    for i, a in enumerate(args):
+        if i not in masks:
+            yield from a if isinstance(a, list | tuple) else (a,)
+    for k, v in kwargs.items():
+        if k not in _MASK_NAMES:
+            yield from v if isinstance(v, list | tuple) else (v,)
+
+
+def _made_in_forward(x: Any) -> bool:
+    return (isinstance(x, torch.Tensor) and x.dtype == torch.float32
+            and not isinstance(x, torch.nn.Parameter))
+
+
+def _one_dtype(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args, kwargs`` of a `SAME_DTYPE_FUNCTIONS` call with their float32 tensors
+    (not Parameters, not masks) cast to the first half dtype among them, if any."""
+    masks = _MASK_POSITIONS.get(func, ())
+    half, mixed = None, False
+    for x in _operands(args, kwargs, masks):
+        if isinstance(x, torch.Tensor):
+            if half is None and x.dtype in _HALF:
+                half = x.dtype
+            mixed = mixed or _made_in_forward(x)
+    if half is None or not mixed:
+        return args, kwargs
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, list | tuple):
+            return type(x)(cast(y) for y in x)
+        return x.to(half) if _made_in_forward(x) else x
+
+    return (tuple(a if i in masks else cast(a) for i, a in enumerate(args)),
+            {k: v if k in _MASK_NAMES else cast(v) for k, v in kwargs.items()})
+
+
+def mode_active(mode_type: type) -> bool:
+    """Whether a torch function mode of exactly ``mode_type`` is active (eager only): a
+    converted forward called inside a trainer's `step_context` then runs under the
+    mode once, not twice."""
+    return any(type(m) is mode_type for m in _get_current_function_mode_stack())
+
+
+class HalfModelFunctions(TorchFunctionMode):
+    """Every mode with half-precision params: an op that takes one dtype computes in the
+    half dtype of its operands.
+
+    Inside it, a call of `SAME_DTYPE_FUNCTIONS` (matmuls, convolutions, attention, norms)
+    that has a half-precision tensor gets its float32 tensors cast to that half dtype,
+    except Parameters (a float32 norm weight stays float32) and attention masks. A
+    float32 tensor made inside ``forward`` (``torch.zeros``, ``.float()``) then meets a
+    float16 layer as Lightning's ``precision="16-true"`` would have made it, instead of
+    raising "expected m1 and m2 to have the same dtype"; pointwise ops are left alone
+    (they promote). `convert_to_amp` enters it around the converted model's forward in
+    every mode with half params.
+
+    Examples:
+      >>> import torch
+      >>> w = torch.nn.Parameter(torch.randn(2, 3, dtype=torch.float16))
+      >>> pe = torch.zeros(4, 3)  # float32, made in forward
+      >>> with HalfModelFunctions():
+      ...     torch.nn.functional.linear(pe, w).dtype
+      torch.float16
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SAME_DTYPE:
+            args, kwargs = _one_dtype(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class HalfModelFp32Functions(HalfModelFunctions):
     """naive / apex O2: the precision-sensitive functions compute in float32.
 
     Inside it, each function of `HALF_MODEL_FP32_FUNCTIONS` called with a half-precision
@@ -140,7 +262,8 @@ class HalfModelFp32Functions(TorchFunctionMode):
     The losses and ``log_softmax`` return float32; the softmax and norm functions
     return the dtype of their first half tensor (the activation's). A call that names
     its own ``dtype`` (``softmax(x, -1, dtype=torch.float32)``) or ``out`` runs as
-    written. `convert_to_amp` enters it around the converted model's forward.
+    written. The other functions follow `HalfModelFunctions`. `convert_to_amp` enters
+    it around the converted model's forward.
 
     Examples:
       >>> import torch
@@ -156,6 +279,8 @@ class HalfModelFp32Functions(TorchFunctionMode):
         f32_out = func in _HALF_MODEL_F32_OUT
         if not (f32_out or func in _HALF_MODEL_F32_IN) or kwargs.get("dtype") is not None \
                 or kwargs.get("out") is not None:
+            if func in _SAME_DTYPE:
+                args, kwargs = _one_dtype(func, args, kwargs)
             return func(*args, **kwargs)
         half = _first_half_dtype((args, kwargs))
         if half is None:
@@ -234,6 +359,8 @@ def _checkpoint_contexts(kind: str | None, device_type: str | None) -> tuple[Any
         recompute = Fp32Functions(device_type)
     elif kind == "half":
         recompute = HalfModelFp32Functions()
+    elif kind == "half-pure":
+        recompute = HalfModelFunctions()
     else:
         recompute = contextlib.nullcontext()
     return contextlib.nullcontext(), recompute

@@ -10,6 +10,7 @@ The Trainer is met at its seams, nothing of its loop is copied:
 * ``accelerator.scaler`` (`_AmpScaler`): ``accelerator.backward`` scales every loss
   through it, and the Trainer saves and restores it (``scaler.pt``) as it does its
   GradScaler;
+* ``compute_loss_context_manager``: the loss runs in the converted forward's precision;
 * ``_clip_grad_norm`` / ``_get_grad_norm``: clipping and the logged norm use the
   unscaled gradients (float32 master gradients with master weights), global norm;
 * ``log``: ``loss_scale`` and ``skipped_steps`` join each training log.
@@ -17,10 +18,12 @@ The Trainer is met at its seams, nothing of its loop is copied:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 from _mpfunc_common.extras import missing_extra_error
+from mpfunc_torch._src.autocast import step_context
 from mpfunc_torch._src.optimizer import AmpOptimizer
 from mpfunc_torch._src.trainer_amp import TrainerAmp
 
@@ -197,6 +200,15 @@ class AmpTrainer(transformers.Trainer):
         self.optimizer = _StepAwareOptimizer(amp_optimizer)
         self.accelerator.scaler = _AmpScaler(amp_optimizer)
         return self.optimizer
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """The Trainer's context around ``compute_loss`` (training and evaluation), with
+        the precision of the converted forward: the mode's autocast and function mode,
+        so a loss computed outside the model (``compute_loss_func``, label smoothing, an
+        overridden ``compute_loss``) runs as it would inside its ``forward``."""
+        stack = super().compute_loss_context_manager()
+        stack.enter_context(step_context(self._amp.plan, self.args.device.type))
+        return stack
 
     def _clip_grad_norm(self, model: Any):
         """Clips the unscaled gradients to ``max_grad_norm``; returns the norm before."""

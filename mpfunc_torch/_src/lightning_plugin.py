@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +19,8 @@ from torch import nn
 
 from _mpfunc_common.amp_config import check_bool
 from _mpfunc_common.extras import missing_extra_error
-from mpfunc_torch._src.autocast import Fp32Functions
+from mpfunc_torch._src.autocast import step_context
+from mpfunc_torch._src.cast_ahead import cast_ahead, cast_ahead_of, sync_cast_ahead_
 from mpfunc_torch._src.model import DTYPES, cast_floats
 from mpfunc_torch._src.optimizer import AmpOptimizer
 from mpfunc_torch._src.trainer_amp import TrainerAmp
@@ -67,9 +68,13 @@ class AmpPrecision(*_BASES):
     it (once: a validation, test or predict run after the fit finds them converted).
     Then, inside Lightning's own loop:
 
-    * the forward (``training_step``, ``validation_step``, ...) runs under the mode's
-      autocast; with half-precision params (naive, apex O2/O3) floating tensors of each
-      batch arrive in that dtype, as with Lightning's ``precision="16-true"``;
+    * each step (``training_step``, ``validation_step``, ``test_step``,
+      ``predict_step``) runs in the precision of the converted forward: the mode's
+      autocast and function mode, so a loss computed in the step from a submodule's
+      output is float32 (naive, apex O2) and float32 tensors made there meet the half
+      layers in their dtype; with half-precision params (naive, apex O2/O3) floating
+      tensors of each batch arrive in that dtype, as with Lightning's
+      ``precision="16-true"``;
     * each backward is scaled (several with ``accumulate_grad_batches``: the gradients
       are unscaled once, at the step) and unscaled before ``on_before_optimizer_step``;
     * ``gradient_clip_val`` clips the unscaled gradients by their global norm (over the
@@ -88,8 +93,10 @@ class AmpPrecision(*_BASES):
     ``precision=`` given to the ``Trainer`` as well is refused by Lightning itself
     ("Received both `precision=...` and `plugins=...`"): drop ``precision``. With
     several optimizers (manual optimization) they share one loss scale, each stepped
-    once per iteration. Strategies that wrap the model before the plugin connects (DDP)
-    work with the modes that keep float32 params (torch, bf16, apex O0/O1, fp8).
+    once per iteration. Under DDP (``strategy="ddp"`` / ``"ddp_spawn"``), which wraps the
+    model before the plugin gets the optimizers, the half modes' params are cast in
+    `convert_module`, before the wrap, and the masters start from their float32 values
+    (rank 0's).
 
     Args:
       mode: ``"torch"``, ``"apex"``, ``"naive"``, ``"bf16"``, ``"fp8"``, an ``AMP_TYPE``,
@@ -105,9 +112,9 @@ class AmpPrecision(*_BASES):
 
     Examples:
       >>> from mpfunc_torch.lightning import AmpPrecision
-      >>> plugin = AmpPrecision("naive", initial_scale=2.0**8)
+      >>> plugin = AmpPrecision("naive", hysteresis=1)  # any key of the mode
       >>> plugin, plugin.precision
-      (AmpPrecision('naive', initial_scale=256.0), '16-true')
+      (AmpPrecision('naive', hysteresis=1), '16-true')
     """
 
     def __init__(self, mode: Any, *, log_metrics: bool = True, **config: Any):
@@ -171,25 +178,37 @@ class AmpPrecision(*_BASES):
         if not optimizers:
             return model, optimizers, lr_schedulers  # evaluation only: runs as it is
         if model is not module and self._amp.half_params:
-            raise ValueError(
-                f"AmpPrecision({self._amp!r}) casts the params to "
-                f"{self._amp.plan.cast_model_type}, but the strategy wrapped the model in "
-                f"{type(model).__name__} (which holds hooks on the float32 params) before "
-                "the plugin got the optimizers. Use a mode that keeps float32 params "
-                "(torch, bf16, apex O1, fp8) with this strategy, or a single device.")
+            if cast_ahead_of(module, self._amp.plan) is None:
+                raise ValueError(
+                    f"AmpPrecision({self._amp!r}) casts the params to "
+                    f"{self._amp.plan.cast_model_type}, but the strategy wrapped the model "
+                    f"in {type(model).__name__} (which holds hooks on the float32 params) "
+                    "without calling the plugin's convert_module first, which casts them "
+                    "before the wrap. Use a mode that keeps float32 params (torch, bf16, "
+                    "apex O1, fp8) with this strategy, or one that calls convert_module.")
+            group = getattr(model, "process_group", None)
+            if group is not None:  # DDP broadcast rank 0's params: the masters follow
+                sync_cast_ahead_(module, group)
         return model, self._amp.convert(module, optimizers), lr_schedulers
 
-    @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        """The mode's autocast (and apex O1's float32 functions) around each step."""
-        plan = self._amp.plan
-        with contextlib.ExitStack() as stack:
-            if plan.enabled and plan.autocast_dtype is not None:
-                stack.enter_context(torch.autocast(self._device_type,
-                                                   dtype=DTYPES[plan.autocast_dtype]))
-                if plan.apex_fp32_functions:
-                    stack.enter_context(Fp32Functions(self._device_type))
-            yield
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """With half params (naive, apex O2/O3): casts them in place when a fit starts,
+        before a strategy wraps the model (DDP holds hooks on the params it sees), keeping
+        their float32 values for the master weights made when the optimizers arrive
+        (`connect`). A validation, test or predict run alone leaves the model as it is."""
+        trainer = getattr(module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        if fitting and module is not self._amp.module:
+            cast_ahead(module, self._amp.plan, self._amp.kwargs.get("is_norm"))
+        return module
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """The precision of the converted forward around each step (``training_step``,
+        ``validation_step``, ``test_step``, ``predict_step``): the mode's autocast and
+        its function mode (apex O1's float32 list; naive's and apex O2's float32
+        functions; the one-dtype rule of every half-param mode), so a loss computed in
+        the step runs as it would inside the model's ``forward``."""
+        return step_context(self._amp.plan, self._device_type)
 
     def convert_input(self, data: Any) -> Any:
         """Floating tensors of a batch in the params' half dtype (naive, apex O2/O3)."""

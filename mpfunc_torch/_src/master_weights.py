@@ -13,7 +13,7 @@ after `convert_to_amp` is not undone by stale masters at the next step.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,14 +47,20 @@ __all__ = [
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
 
 
-def make_masters(optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, nn.Parameter]:
+def make_masters(optimizers: Sequence[torch.optim.Optimizer],
+                 float32_value: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 ) -> dict[int, nn.Parameter]:
     """One float32 master per optimizer param, keyed by ``id(param)``; call before the
     model is cast. The master aliases the float32 storage the model is about to drop:
     exact values and no extra copy. A tied param is one object, so it gets one master.
     Built from ``p.data``, not ``p.detach()``: the master must not share the param's
     version counter, or every step on the master would look like an outside write to
-    the param (`follow_model_writes_`)."""
-    return {id(p): nn.Parameter(p.data, requires_grad=p.requires_grad)
+    the param (`follow_model_writes_`). A model cast already (`cast_ahead`) gives each
+    half param's float32 value with ``float32_value(param)``."""
+    def value(p: torch.Tensor) -> torch.Tensor:
+        return float32_value(p) if float32_value is not None and p.dtype != torch.float32 else p.data
+
+    return {id(p): nn.Parameter(value(p), requires_grad=p.requires_grad)
             for opt in optimizers for g in opt.param_groups for p in g["params"]}
 
 

@@ -22,7 +22,13 @@ from torch.utils._pytree import tree_map
 
 from _mpfunc_common.amp_config import AmpPlan
 from mpfunc_torch._src import fused
-from mpfunc_torch._src.autocast import Fp32Functions, HalfModelFp32Functions, function_mode
+from mpfunc_torch._src.autocast import (
+    Fp32Functions,
+    HalfModelFp32Functions,
+    HalfModelFunctions,
+    function_mode,
+    mode_active,
+)
 from mpfunc_torch._src.sharding import cast_module_, is_dtensor
 
 __all__ = [
@@ -38,6 +44,7 @@ __all__ = [
     "HALF",
 ]
 
+_HALF_MODES = {"half": HalfModelFp32Functions, "half-pure": HalfModelFunctions}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 HALF = (torch.float16, torch.bfloat16)
 
@@ -81,7 +88,7 @@ class _AmpForward:
         self.output_dtype = DTYPES[out] if out else None
         self.autocast_dtype = DTYPES[plan.autocast_dtype] if plan.autocast_dtype else None
         self.fp32_functions = plan.apex_fp32_functions
-        self.function_mode = function_mode(plan)  # 'o1', 'half' or None
+        self.function_mode = function_mode(plan)  # 'o1', 'half', 'half-pure' or None
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -106,9 +113,16 @@ class _AmpForward:
     def __call__(self, *args, **kwargs):
         if self.input_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.input_dtype)
+        kind = self.function_mode
+        if kind in _HALF_MODES and not torch.compiler.is_compiling() and \
+                mode_active(_HALF_MODES[kind]):
+            kind = None  # a trainer's step context runs it already (Lightning's steps)
         # Plain nested `with` statements: dynamo traces them into one graph.
-        if self.function_mode == "half":
+        if kind == "half":
             with HalfModelFp32Functions():
+                out = self._run(args, kwargs)
+        elif kind == "half-pure":
+            with HalfModelFunctions():
                 out = self._run(args, kwargs)
         elif self.autocast_dtype is None:
             out = self._run(args, kwargs)

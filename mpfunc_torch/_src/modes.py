@@ -14,6 +14,7 @@ from torch import nn
 from _mpfunc_common.amp_config import check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from mpfunc_torch._src import fused
+from mpfunc_torch._src.cast_ahead import cast_ahead_of, release_cast_ahead
 from mpfunc_torch._src.checkpoint_convert import guard_inner_load, refuse_optimizer_state
 from mpfunc_torch._src.chunked_step import check_step_chunks
 from mpfunc_torch._src.distributed import normalize_groups
@@ -339,7 +340,9 @@ def convert_to_amp(
     _check_optimizer_params(model, optimizers)
     groups = normalize_groups(process_group)
     amax_groups = _amax_groups(plan, groups, fp8_amax_group)
-    half = [n for n, p in model.named_parameters() if p.dtype in HALF]
+    ahead = cast_ahead_of(model, plan)  # a trainer cast it before wrapping it in DDP
+    half = [n for n, p in model.named_parameters()
+            if p.dtype in HALF and (ahead is None or p not in ahead.originals)]
     if half and plan.enabled and plan.cast_model_type in (None, "float32"):
         raise ValueError(
             f"mode {plan.mode!r}{' ' + plan.opt_level if plan.opt_level else ''} needs "
@@ -356,11 +359,11 @@ def convert_to_amp(
     masters: dict[int, torch.Tensor] | None = None
     # The dtype each optimizer param is stepped in (where it has no master), known
     # before anything is cast, so that a refusal leaves the model as it was.
-    stepped = {id(p): p.dtype for opt in optimizers for g in opt.param_groups
-               for p in g["params"]}
+    stepped = {id(p): torch.float32 if ahead is not None and p in ahead.originals else p.dtype
+               for opt in optimizers for g in opt.param_groups for p in g["params"]}
     if plan.enabled and plan.cast_model_type is not None:
         target = DTYPES[plan.cast_model_type]
-        if target in HALF:
+        if target in HALF and ahead is None:
             refuse_data_parallel_wrapper(model, plan)
         _check_fsdp_units(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
         if plan.master_weights:
@@ -370,10 +373,13 @@ def convert_to_amp(
                 model, plan.keep_norm_fp32, is_norm or is_norm_module) if i in stepped)
     _refuse_broken_fused_sgd(optimizers, stepped)
     _refuse_vanishing_eps(optimizers, stepped)
+    if ahead is not None:
+        ahead.float32_state_(optimizers)
     if plan.enabled and plan.cast_model_type is not None:
         if plan.master_weights:
-            masters = make_masters(optimizers)
-        cast_model(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
+            masters = make_masters(optimizers, None if ahead is None else ahead.float32_value)
+        if ahead is None:
+            cast_model(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
         if masters is not None:
             masters = keep_half_masters(masters, optimizers)
     if plan.enabled and plan.fp8_recipe is not None:
@@ -400,6 +406,7 @@ def convert_to_amp(
     if pairs:
         versions = {id(p): opt._versions for opt in amp_opts for p, _ in opt._pairs}
         amp_model._master_hooks = follow_model_loads(model, pairs, versions)
+    release_cast_ahead(model)  # the masters hold the float32 values they need
     amp_crit = AmpCriterion(criterion, dev.type) if criterion is not None else None
     out_opt = amp_opts if isinstance(optimizer, list | tuple) else amp_opts[0]
     return amp_model, out_opt, amp_crit
