@@ -121,6 +121,10 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", str(own))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # jax points XLA's GPU autotuning cache into the folder by default, and that path is
+    # part of every entry's key (CPU ones too): each worker's folder would then key its
+    # own entries, and no other process could load them.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "")
 
 
 @pytest.fixture(autouse=True)
