@@ -196,6 +196,27 @@ def compiled_step(tx, depth, batch, scaled, policy=None):
             params, state, jnp.ones((batch, WIDTH))).compile()
 
 
+F16 = "params=float32,compute=float16,output=float32"
+
+
+@pytest.fixture(scope="module")
+def step_of():
+    """`compiled_step` of a named optimizer (wrapped in `mpfunc.dynamic_scale` and its
+    loss scaled when ``scaled``), compiled once per module and shared by the tests that
+    need the same one (plain float16-compute Adam, for one, is the baseline of three)."""
+    made = {}
+
+    def get(name, depth, batch, scaled, policy=None):
+        key = (name, depth, batch, scaled, policy)
+        if key not in made:
+            tx = OPTIMIZERS[name]()
+            made[key] = compiled_step(mpfunc.dynamic_scale(tx) if scaled else tx, depth,
+                                      batch, scaled, policy and mpfunc.get_policy(policy))
+        return made[key]
+
+    return get
+
+
 def peak_bytes(compiled):
     m = compiled.memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -210,39 +231,36 @@ def grad_bytes(depth):
     return depth * (WIDTH * WIDTH + WIDTH) * 4
 
 
-def test_donated_peak_memory_equals_plain_adam():
+def test_donated_peak_memory_equals_plain_adam(step_of):
     # Batch 256: activations outweigh one gradient buffer, so the step's peak is where
     # plain Adam's is. Before: every Adam state leaf was copied (1.9x).
-    plain = peak_bytes(compiled_step(optax.adam(1e-3), 8, 256, False))
-    ours = peak_bytes(compiled_step(mpfunc.dynamic_scale(optax.adam(1e-3)), 8, 256, True))
+    plain = peak_bytes(step_of("adam", 8, 256, False))
+    ours = peak_bytes(step_of("adam", 8, 256, True))
     assert ours <= 1.02 * plain, ours / plain
 
 
-def test_donated_peak_memory_small_batch_is_one_gradient_buffer():
+def test_donated_peak_memory_small_batch_is_one_gradient_buffer(step_of):
     # Batch 8: plain Adam updates each layer as soon as its gradient exists. An exact skip
     # must see every gradient before it writes any state, so one gradient buffer is live
     # at once: that is all it may cost (no copy of params or optimizer state).
-    plain = peak_bytes(compiled_step(optax.adam(1e-3), 8, 8, False))
-    clipped = peak_bytes(compiled_step(
-        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), 8, 8, False))
-    ours = peak_bytes(compiled_step(mpfunc.dynamic_scale(optax.adam(1e-3)), 8, 8, True))
+    plain = peak_bytes(step_of("adam", 8, 8, False))
+    clipped = peak_bytes(step_of("clipped_adam", 8, 8, False))
+    ours = peak_bytes(step_of("adam", 8, 8, True))
     assert ours - plain <= 1.02 * grad_bytes(8), (ours - plain) / grad_bytes(8)
     assert ours <= clipped  # plain Adam with global-norm clipping holds them too
 
 
-def test_donated_peak_memory_small_batch_where_loss_scaling_is_used():
+def test_donated_peak_memory_small_batch_where_loss_scaling_is_used(step_of):
     # Loss scaling is for float16 compute. There, at the same small batch, the exact skip
     # costs nothing over plain Adam: XLA:CPU's plain float16 step holds the gradients
     # too (measured 1.000x at 8 and 24 layers of width 256, BENCHMARKS.md section 6).
-    f16 = mpfunc.get_policy("params=float32,compute=float16,output=float32")
-    plain = peak_bytes(compiled_step(optax.adam(1e-3), 8, 8, False, f16))
-    ours = peak_bytes(compiled_step(mpfunc.dynamic_scale(optax.adam(1e-3)), 8, 8, True, f16))
+    plain = peak_bytes(step_of("adam", 8, 8, False, F16))
+    ours = peak_bytes(step_of("adam", 8, 8, True, F16))
     assert ours <= 1.02 * plain, ours / plain
     # With global-norm clipping (it needs every gradient before any update too), the
     # skip adds nothing, in float32 as well.
-    clip = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-    plain = peak_bytes(compiled_step(clip, 8, 8, False))
-    ours = peak_bytes(compiled_step(mpfunc.dynamic_scale(clip), 8, 8, True))
+    plain = peak_bytes(step_of("clipped_adam", 8, 8, False))
+    ours = peak_bytes(step_of("clipped_adam", 8, 8, True))
     assert ours <= 1.02 * plain, ours / plain
 
 
@@ -266,11 +284,16 @@ IN_PLACE = {
 }
 
 
+OPTIMIZERS = {"adam": lambda: optax.adam(1e-3),
+              "clipped_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                                  optax.adam(1e-3)),
+              **IN_PLACE}
+
+
 @pytest.mark.parametrize("name", sorted(IN_PLACE))
-def test_donated_peak_memory_other_optimizers(name):
-    f16 = mpfunc.get_policy("params=float32,compute=float16,output=float32")
-    plain = peak_bytes(compiled_step(IN_PLACE[name](), 8, 8, False, f16))
-    ours = peak_bytes(compiled_step(mpfunc.dynamic_scale(IN_PLACE[name]()), 8, 8, True, f16))
+def test_donated_peak_memory_other_optimizers(name, step_of):
+    plain = peak_bytes(step_of(name, 8, 8, False, F16))
+    ours = peak_bytes(step_of(name, 8, 8, True, F16))
     assert ours <= 1.02 * plain, ours / plain
 
 
@@ -299,15 +322,14 @@ def test_donated_peak_memory_of_the_modes(mode, config):
     assert peak_bytes(compiled(amp.optimizer, True)) <= 1.02 * peak_bytes(compiled(bare, False))
 
 
-def test_compiled_program_grows_linearly_with_depth():
+def test_compiled_program_grows_linearly_with_depth(step_of):
     # The finite decision is computed once, not copied into every select: before, each
     # of ~3L fusions carried an L-term sum (O(L**2) HLO; 15x plain Adam's compile time
     # at 48 leaves).
     ratios = []
     for depth in (4, 16):
-        plain = hlo_instructions(compiled_step(optax.adam(1e-3), depth, 8, False))
-        ours = hlo_instructions(compiled_step(mpfunc.dynamic_scale(optax.adam(1e-3)),
-                                              depth, 8, True))
+        plain = hlo_instructions(step_of("adam", depth, 8, False))
+        ours = hlo_instructions(step_of("adam", depth, 8, True))
         ratios.append(ours / plain)
     assert max(ratios) <= 2.0, ratios
     assert ratios[1] <= ratios[0] * 1.1, ratios
@@ -336,18 +358,16 @@ def test_a_lax_cond_skip_is_not_bit_identical_on_cpu():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="pins XLA:CPU code generation")
-def test_the_finite_check_adds_no_transpose_with_float16_compute():
+def test_the_finite_check_adds_no_transpose_with_float16_compute(step_of):
     # With float16 compute, the weight gradients reach the optimizer as transposes XLA
     # has not applied; a reduction reads them in place. A check written with
     # `lax.select` over `lax.full_like` arrays made XLA:CPU materialise each group
     # transposed (a strided copy per group; 1.25x plain Adam's step at 24 layers).
-    f16 = mpfunc.get_policy("params=float32,compute=float16,output=float32")
-
     def transposes(compiled):
         return sum(" transpose(" in line for line in compiled.as_text().splitlines())
 
-    plain = transposes(compiled_step(optax.adam(1e-3), 8, 8, False, f16))
-    ours = transposes(compiled_step(mpfunc.dynamic_scale(optax.adam(1e-3)), 8, 8, True, f16))
+    plain = transposes(step_of("adam", 8, 8, False, F16))
+    ours = transposes(step_of("adam", 8, 8, True, F16))
     assert ours <= plain, (ours, plain)
 
 

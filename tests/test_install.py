@@ -354,9 +354,15 @@ def test_ci_runs_every_step_in_a_clone_named_mpfunc(tmp_path):
                          text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     runs = [line.split(" ", 1) for line in log.read_text().splitlines()]
-    assert [target for _, target in runs] == ["test", "test-slow", "lint", "docs",
+    assert [target for _, target in runs] == ["venv", "test", "test-slow", "lint", "docs",
                                               "test-latest", "test-oldest", "test-wheel"]
     assert {Path(where).name for where, _ in runs} == {"mpfunc"}
+    # Each stage's wall time, then all of them and the total.
+    summary = out.stdout.split("ci: stage times\n")[1].splitlines()
+    assert [line.split()[1] for line in summary] == [
+        "chromium", "install", "test", "test-slow", "lint", "docs", "latest", "oldest",
+        "wheel", "total"]
+    assert all(re.fullmatch(r"ci:   \S+ +\d+:\d\d", line) for line in summary), summary
     assert {Path(where).parent.parent for where, _ in runs} == {tmp}
     assert list(tmp.iterdir()) == []  # the clone is gone
 

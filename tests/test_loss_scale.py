@@ -1106,6 +1106,23 @@ def _run_rule(opt, finite_seq, state=None):
     return out
 
 
+@functools.cache
+def _jmp_run(jmp):
+    """jmp's own rule over a padded sequence, jitted once (not once per example)."""
+
+    @jax.jit
+    def run(seq):
+        def body(carry, finite):
+            ls = jmp.DynamicLossScale(*carry)  # jmp's README form, period 2000
+            ls = ls.adjust(finite)
+            return (ls.loss_scale, ls.counter), ls.loss_scale
+
+        init = (jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32))
+        return jax.lax.scan(body, init, seq)[1]
+
+    return run
+
+
 class TestFromJmp:
     @pytest.mark.parametrize("period, factor", [(20, 2), (30, 3)])
     def test_adjust_increases_on_finite(self, period, factor):
@@ -1145,20 +1162,10 @@ class TestFromJmp:
 
     @given(seqs)
     def test_jmp_preset_is_jmp_dynamic_loss_scale_bit_for_bit(self, jmp, seq):
-        @jax.jit
-        def jmp_run(seq):
-            def body(carry, finite):
-                ls = jmp.DynamicLossScale(*carry)  # jmp's README form, period 2000
-                ls = ls.adjust(finite)
-                return (ls.loss_scale, ls.counter), ls.loss_scale
-
-            init = (jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32))
-            return jax.lax.scan(body, init, seq)[1]
-
         n = len(seq)
         padded = jnp.asarray(list(seq) + [True] * (MAX_STEPS - n))
         with jax.numpy_dtype_promotion("standard"):  # jmp multiplies an int by a bool
-            ref = np.asarray(jmp_run(padded))[:n]
+            ref = np.asarray(_jmp_run(jmp)(padded))[:n]
         assert_bitwise(trajectory(dict(preset="jmp"), seq), ref)
 
     def test_jmp_preset_with_a_short_period_matches_jmp(self, jmp):

@@ -1,13 +1,16 @@
 """Fault injection over long runs: every torch mode, fused / foreach / plain Adam, AdamW
-and SGD with momentum, 2,000 steps each.
+and SGD with momentum, 2,000 steps each in the slow suite and 300 in the default one.
 
 Random inf/NaN in the loss or in one gradient element at ~5% of steps, bursts of
 overflows that drive the scale to its floor, and fault-free stretches that let it grow
 to its ceiling (or, without a ceiling, until the model's own float16 activations
 overflow). After every step the test checks, against its own finiteness check of the
 gradients, that the step was skipped exactly when a gradient was (or would become, once
-unscaled) non-finite, and that the scale stayed inside [floor, ceiling]; periodically
-and at the end, that no param, master weight or optimizer-state value is inf/NaN.
+unscaled) non-finite, that the weights the optimizer writes (the float32 masters, else
+the params) moved exactly on the steps taken (a step reported as taken but dropped, a
+lost update, fails here), and that the scale stayed inside [floor, ceiling];
+periodically and at the end, that no param, master weight or optimizer-state value is
+inf/NaN.
 
 Then 48 random combinations of the features (see the comment above
 `test_random_feature_combinations_skip_exactly_and_resume_bit_for_bit`), each checked
@@ -15,15 +18,38 @@ step by step and resumed from a checkpoint.
 """
 
 import random
+from typing import NamedTuple
 
 import pytest
 import torch
 
 import mpfunc_torch
 
-STEPS = 2000
-BURSTS = [(200, 260), (1100, 1160)]  # every step overflows: the scale reaches its floor
-CLEAN = [(1400, 1750)]  # no injected fault: the scale climbs to its ceiling
+
+class Schedule(NamedTuple):
+    """Where the faults go: ``bursts`` (every step overflows: the scale reaches its
+    floor), one ``clean`` stretch (no injected fault: the scale climbs to its ceiling),
+    random faults at a ``rate`` of the other steps."""
+
+    steps: int
+    bursts: list[tuple[int, int]]
+    clean: tuple[int, int]
+    rate: float
+    check_every: int  # the all-finite check of params, masters and state
+
+
+# The slow suite's soak: long stretches of each phase, two bursts.
+FULL = Schedule(2000, [(200, 260), (1100, 1160)], (1400, 1750), 0.05, 250)
+# The default suite's: what the step-by-step check needs is the fault schedule, not the
+# step count. Every fault kind at random steps (10% of them, so that the 120 steps outside
+# the burst and the clean stretch hold about 12), then a burst of 30 overflows (the longest
+# fall is 20 halvings, apex-O1's 2**12 to 2**-8, 17 for naive's 2**14 to 0.25 with its
+# hysteresis of 2), faults again from the floor, a clean stretch of 150 steps (the
+# slowest climb to a ceiling is naive's: 16 growths, one per 8 clean steps, 128 steps),
+# then faults again from the ceiling. Each step is checked as in the soak, so a fault
+# that is stepped on, a clean step that is dropped or a scale outside its range fails
+# here as it does there.
+SHORT = Schedule(300, [(40, 70)], (110, 260), 0.1, 50)
 
 MODES = {
     "torch": ("torch", {"growth_interval": 8}),
@@ -91,7 +117,11 @@ def _all_finite(model, opt):
 
 
 @pytest.mark.parametrize("mode, opt_name, impl", CASES, ids=["-".join(c) for c in CASES])
-def test_faults_never_reach_params_masters_or_state(mode, opt_name, impl):
+@pytest.mark.parametrize("schedule", [
+    pytest.param(SHORT, id="300-steps"),
+    pytest.param(FULL, id="2000-steps", marks=pytest.mark.slow),
+])
+def test_faults_never_reach_params_masters_or_state(mode, opt_name, impl, schedule):
     name, cfg = MODES[mode]
     if name == "apex":
         cfg = {**cfg, "verbosity": 0}
@@ -106,13 +136,15 @@ def test_faults_never_reach_params_masters_or_state(mode, opt_name, impl):
     floor, ceiling = ((plan.scale_config.min_scale, plan.scale_config.max_scale)
                       if plan.scale_kind == "dynamic" else (None, None))
     params = list(net.parameters())
+    written = [m for _, m in opt._pairs] or params  # what the inner optimizer updates
     x_all, y_all = torch.randn(64, 4, 8), torch.randn(64, 4, 4)
-    faults, expected, stepped, scales = [], [], [], [opt.loss_scale.clone()]
-    for step in range(STEPS):
+    faults, expected, stepped, moved, scales = [], [], [], [], [opt.loss_scale.clone()]
+    for step in range(schedule.steps):
         opt.zero_grad()
         x, y = x_all[step % 64], y_all[step % 64]
         fault = None
-        if _phase(step, BURSTS) or (not _phase(step, CLEAN) and rng.random() < 0.05):
+        if _phase(step, schedule.bursts) or (not _phase(step, [schedule.clean])
+                                             and rng.random() < schedule.rate):
             fault = rng.choice(["loss-inf", "loss-nan", "grad-inf", "grad-nan"])
         loss = crit(model(x), y)
         if fault in ("loss-inf", "loss-nan"):
@@ -124,17 +156,21 @@ def test_faults_never_reach_params_masters_or_state(mode, opt_name, impl):
                 g.view(-1)[rng.randrange(g.numel())] = float(fault[5:])
         faults.append(fault)
         expected.append(_would_skip(params, torch.reciprocal(opt.loss_scale), bool(opt._pairs)))
+        before = [w.detach().clone() for w in written]
         stepped.append(opt.step())
+        moved.append(torch.stack([(w != b).any() for w, b in zip(written, before)]).any())
         scales.append(opt.loss_scale.clone())
-        if step % 250 == 0:
+        if step % schedule.check_every == 0:
             assert _all_finite(net, opt), step
     # Compared once at the end (no extra host sync per step in the loop).
     expected = torch.stack(expected).tolist()
     stepped = torch.stack(stepped).tolist()
+    moved = torch.stack(moved).tolist()
     scales = torch.stack(scales).tolist()
-    for step, (fault, skip, took) in enumerate(zip(faults, expected, stepped)):
+    for step, (fault, skip, took, changed) in enumerate(zip(faults, expected, stepped, moved)):
         assert skip or fault is None, (step, fault)  # every injected fault is seen
         assert took == (not skip), (step, fault, scales[step])
+        assert changed == took, (step, fault)  # a taken step updates, a skipped one does not
     injected = sum(f is not None for f in faults)
     genuine = sum(skip and f is None for f, skip in zip(faults, expected))
     if floor is not None:
@@ -142,19 +178,28 @@ def test_faults_never_reach_params_masters_or_state(mode, opt_name, impl):
     assert _all_finite(net, opt)
     metrics = opt.scale_metrics(as_python=True)
     assert metrics["skipped_steps"] == injected + genuine
-    assert injected > 150  # ~5% of 2000 plus two bursts of 60
+    # Every kind of fault, in the bursts and at random among the other steps (at least
+    # a third of the expected number: 146 of ~196 in the soak, 34 of ~42 in 300 steps).
+    assert {"loss-inf", "loss-nan", "grad-inf", "grad-nan"} <= set(faults)
+    bursts = sum(b - a for a, b in schedule.bursts)
+    others = schedule.steps - bursts - (schedule.clean[1] - schedule.clean[0])
+    assert injected >= bursts + schedule.rate * others / 3, injected
     if floor is not None:
         assert min(scales) == floor  # the bursts drove it to the floor
-        if plan.scale_config.growth_interval > 8:
+        start, stop = schedule.clean
+        interval = plan.scale_config.growth_interval
+        if interval > 8:
             # apex has no growth_interval key (its window is 2000 steps): it starts at
             # its ceiling (init is clamped to max_loss_scale) and cannot climb back here.
             assert scales[0] == ceiling
         elif ceiling != float("inf"):
-            assert ceiling in scales[1 + 1400:1 + 1750]  # the clean stretch reached it
+            assert ceiling in scales[1 + start:1 + stop]  # the clean stretch reached it
         else:
-            # No ceiling: it climbs through the clean stretch until the model's own
-            # float16 activations overflow (bfloat16 ones never do in 350 steps).
-            assert genuine > 0 or scales[1 + 1750] >= scales[1 + 1400] * 2.0**40
+            # No ceiling: it climbs through the clean stretch (a growth per `interval`
+            # steps, less a few) until the model's own float16 activations overflow
+            # (bfloat16 ones never do in 350 steps).
+            growths = (stop - start) // interval - 3
+            assert genuine > 0 or scales[1 + stop] >= scales[1 + start] * 2.0**growths
 
 
 # -- random combinations of features -------------------------------------------------
