@@ -14,6 +14,7 @@ import optax
 
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
+from _mpfunc_common.storage import refuse_unwired_storage
 from mpfunc._src.autocast import autocast, half_model
 from mpfunc._src.clipping import clip_by_global_norm, sharded_sum
 from mpfunc._src.distributed import check_axis_name
@@ -218,6 +219,7 @@ def convert_to_amp(
                          "the clip_grad norm and the zero count under shard_map; pass "
                          "those axes as `axis_name` too, or leave `specs` out.")
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
+    refuse_unwired_storage(plan, "mpfunc.convert_to_amp")
     if plan.num_losses != 1:
         raise ValueError(
             f"`num_losses={plan.num_losses}`: per-loss scales are not supported on JAX. A "
