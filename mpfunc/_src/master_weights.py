@@ -72,14 +72,18 @@ def master_weights(
     Composes with loss scaling: ``dynamic_scale(master_weights(adam))`` unscales first,
     and a skipped step leaves the masters (part of this state) untouched.
 
-    The other storages run ``inner`` on the exact values (float32) as well and emit
-    half-precision updates; the params passed to the next ``update`` must be
-    ``optax.apply_updates(params, updates)`` (the params and the state together hold the
-    exact values). A step larger than the param's new magnitude may not land exactly
-    (see `mpfunc._src.param_storage`): then a remainder saturates (the trajectory leaves
-    float32 masters' by at most one rounding of that step), a Kahan compensation absorbs
-    it. A skipped step (`mpfunc.dynamic_scale`) leaves params, remainders, compensation
-    and the step count bit for bit.
+    The other storages run ``inner`` on the exact values (float32) as well. The params
+    passed to the next ``update`` must be ``optax.apply_updates(params, updates)`` (the
+    params and the state together hold the exact values). Under JAX's default (standard)
+    dtype promotion the updates of half params are float32, ``target - param``, which
+    ``apply_updates`` lands exactly on the target, however large the step. Under strict
+    promotion, which refuses bfloat16 + float32, they are in the param's dtype: then a
+    step that carries a param past zero or shrinks it by more than half can land one
+    rounding (of the step's size) off; a remainder then saturates (the trajectory leaves
+    float32 masters' there), a Kahan compensation absorbs the difference (see
+    `mpfunc._src.param_storage`). A skipped step (`mpfunc.dynamic_scale`) leaves params,
+    remainders, compensation and the step count bit for bit. Where a float32 subnormal
+    (below 2**-126) appears, XLA on CPU flushes it to zero, which NumPy and torch do not.
 
     Args:
       inner: the optimizer to run on the float32 masters (an optax transformation, or an
