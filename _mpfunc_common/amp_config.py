@@ -21,6 +21,7 @@ from _mpfunc_common.scale_config import (
     resolve_scale_config,
     to_float32,
 )
+from _mpfunc_common.storage import resolve_bf16_storage
 from _mpfunc_common.suggest import did_you_mean
 
 __all__ = [
@@ -76,7 +77,9 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         # Megatron's exact trajectory, which skips ~17 steps from 2**32 at the start.
         "warm_start": True,
     },
-    "bf16": {},
+    # bf16's keys: training without float32 masters (_mpfunc_common.storage).
+    "bf16": {"master_weights": None, "state_dtype": None, "state_rounding": "stochastic",
+             "seed": 0},
     # bf16 for everything but the matmuls of linear/dense layers, which run in fp8.
     "fp8": {"recipe": "tensorwise"},
 }
@@ -153,6 +156,10 @@ class AmpPlan:
       cast_model_type: dtype the model's params are cast to, or None.
       keep_norm_fp32: keep normalisation layers' params (and compute) in float32.
       master_weights: keep float32 master weights for half-precision params.
+      master_storage: where half params' exact values live: ``"float32"`` (masters),
+        ``"remainder"``, ``"kahan"``, ``"stochastic"``, or None (no half params, or none).
+      state_dtype: the optimizer state's storage dtype (None: the optimizer's own),
+        rounded by ``state_rounding`` with random bits seeded by ``seed``.
       scale_kind: ``"dynamic"``, ``"static"`` or ``"none"`` (scale 1).
       scale_config: the dynamic rule's config (``scale_kind == "dynamic"``).
       static_scale: the fixed scale (``scale_kind == "static"``).
@@ -181,6 +188,14 @@ class AmpPlan:
     log_num_zeros_in_grad: bool = False
     verbose: bool = False
     fp8_recipe: Fp8Recipe | None = None
+    master_storage: str | None = None
+    state_dtype: str | None = None
+    state_rounding: str = "stochastic"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.master_weights and self.master_storage is None:
+            object.__setattr__(self, "master_storage", "float32")
 
     def describe(self) -> str:
         if not self.enabled:
@@ -195,6 +210,9 @@ class AmpPlan:
         if self.cast_model_type:
             parts.append(f"keep_norm_fp32={self.keep_norm_fp32}")
         parts.append(f"master_weights={self.master_weights}")
+        if self.master_storage not in (None, "float32") or self.state_dtype:
+            parts.append(f"storage={self.master_storage}, state_dtype={self.state_dtype} "
+                         f"({self.state_rounding}), seed={self.seed}")
         if self.scale_kind == "dynamic":
             c = self.scale_config
             parts.append(
@@ -289,7 +307,7 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
                        scale_config=scale)
 
     if mode_name == "bf16":
-        return AmpPlan(mode="bf16", autocast_dtype="bfloat16", scale_kind="none")
+        return AmpPlan(mode="bf16", scale_kind="none", **resolve_bf16_storage(cfg))
 
     if mode_name == "fp8":
         return AmpPlan(mode="fp8", autocast_dtype="bfloat16", scale_kind="none",

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from _mpfunc_common.amp_config import APEX_OPT_LEVELS, MODES, dtype_name, resolve_amp
 from _mpfunc_common.fp8 import Fp8Recipe, resolve_recipe
 from _mpfunc_common.scale_config import as_python_number
+from _mpfunc_common.storage import check_state_dtype
 from _mpfunc_common.suggest import did_you_mean
 
 __all__ = [
@@ -41,7 +42,7 @@ __all__ = [
 # How each field is normalised after validation, so that equal configs compare and
 # hash equal and the repr is plain Python (NumPy/JAX scalars -> int/float, framework
 # dtypes -> their names).
-_INT_FIELDS = frozenset({"growth_interval", "hysteresis", "num_losses", "verbosity"})
+_INT_FIELDS = frozenset({"growth_interval", "hysteresis", "num_losses", "verbosity", "seed"})
 _FLOAT_FIELDS = frozenset({
     "init_scale", "initial_scale", "growth_factor", "backoff_factor", "min_scale",
     "max_scale", "clip_grad", "min_loss_scale", "max_loss_scale", "loss_scale",
@@ -62,6 +63,8 @@ def _normalise(name: str, value: Any) -> Any:
         return dtype_name(value, name)
     if name == "recipe":
         return resolve_recipe(value)
+    if name == "state_dtype":
+        return check_state_dtype(value)
     return value
 
 
@@ -190,13 +193,24 @@ class FP16NaiveMixedPrecision(MixedPrecisionConfig):
 class BF16MixedPrecision(MixedPrecisionConfig):
     """Mode ``"bf16"`` (Booster ``"bf16"``): autocast bfloat16, no loss scale.
 
+    The seed has no fields. mpfunc's keyword-only extras, for training without float32
+    masters (`_mpfunc_common.storage`): ``master_weights`` (None: float32 params under
+    autocast; ``"float32"``, ``"remainder"``, ``"kahan"`` or ``"stochastic"``: bfloat16
+    params whose exact value lives there), ``state_dtype``, ``state_rounding``, ``seed``.
+
     Examples:
-      >>> BF16MixedPrecision()
-      BF16MixedPrecision()
+      >>> BF16MixedPrecision(master_weights="remainder", state_dtype="bf16").state_dtype
+      'bfloat16'
     """
 
     mode: ClassVar[str] = "bf16"
     booster_name: ClassVar[str] = "bf16"
+
+    _: dataclasses.KW_ONLY
+    master_weights: str | None = None
+    state_dtype: str | None = None
+    state_rounding: str = "stochastic"
+    seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True, repr=False)

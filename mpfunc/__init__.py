@@ -1,7 +1,9 @@
 """mpfunc: functional mixed-precision training for JAX.
 
 Precision policies, op-level autocast, loss scaling as optax transformations, master
-weights, and the torch / apex-like / naive / bf16 AMP modes.
+weights (float32, or bfloat16 params with remainders, Kahan compensation or stochastic
+rounding), optimizer state in bfloat16 or 8-bit blocks, and the torch / apex-like /
+naive / bf16 AMP modes.
 
 Needs the `jax` extra (``pip install 'mpfunc[jax]'``); the flax helpers (`linen_policy`,
 `nnx_apply_policy`, `norm_classes`) need the `flax` extra, imported only when called.
@@ -47,6 +49,7 @@ from mpfunc._src.master_weights import MasterWeightsState, master_weights
 from mpfunc._src.modes import AmpSetup, convert_to_amp, is_norm_param
 from mpfunc._src.nnx_policy import nnx_apply_policy
 from mpfunc._src.nonfinite_watch import NonfiniteWatch, watch_nonfinite
+from mpfunc._src.param_storage import KahanState, RemainderState, StochasticRoundingState
 from mpfunc._src.policy import (
     Policy,
     cast_floating,
@@ -65,6 +68,7 @@ from mpfunc._src.scale_state import (
     value_and_grad,
 )
 from mpfunc._src.sharding import state_sharding
+from mpfunc._src.state_dtype import StateDtypeState, state_dtype
 
 __all__ = [
     "AmpSetup",
@@ -79,13 +83,17 @@ __all__ = [
     "Fp8Function",
     "Fp8Meta",
     "Fp8Recipe",
+    "KahanState",
     "LinenPolicy",
     "LossScaleState",
     "MasterWeightsState",
     "NonfiniteWatch",
     "Policy",
     "PrecisionReport",
+    "RemainderState",
     "ScaledValueAndGrad",
+    "StateDtypeState",
+    "StochasticRoundingState",
     "all_finite",
     "autocast",
     "cast_floating",
@@ -114,6 +122,7 @@ __all__ = [
     "quantize_fp8",
     "scale_loss",
     "scale_metrics",
+    "state_dtype",
     "state_sharding",
     "static_scale",
     "value_and_grad",

@@ -85,3 +85,67 @@ def test_a_disabled_mode_still_checks_its_values(mode, config, key):
 
 def test_a_disabled_torch_mode_accepts_dtype_none():
     assert not resolve_amp("torch", {"enabled": False, "dtype": None}).enabled
+
+
+def test_bf16_storage_keys_default_to_todays_autocast_mode():
+    assert MODE_DEFAULTS["bf16"] == dict(master_weights=None, state_dtype=None,
+                                         state_rounding="stochastic", seed=0)
+    plan = resolve_amp("bf16", {})
+    assert (plan.autocast_dtype, plan.cast_model_type, plan.master_storage, plan.state_dtype) \
+        == ("bfloat16", None, None, None)
+
+
+@pytest.mark.parametrize("storage", ["float32", "remainder", "kahan", "stochastic"])
+def test_bf16_master_weights_make_a_half_param_mode(storage):
+    plan = resolve_amp("bf16", {"master_weights": storage, "state_dtype": "bf16"})
+    assert (plan.autocast_dtype, plan.cast_model_type, plan.cast_model_outputs) == (
+        None, "bfloat16", "float32")
+    assert plan.master_storage == storage and plan.scale_kind == "none"
+    assert plan.master_weights == (storage == "float32")  # float32 masters only for "float32"
+    assert plan.state_dtype == "bfloat16" and plan.state_rounding == "stochastic"
+    assert f"storage={storage}" in plan.describe() or storage == "float32"
+
+
+def test_float32_masters_of_the_other_modes_name_their_storage():
+    assert resolve_amp("naive", {}).master_storage == "float32"
+    assert resolve_amp("apex", {"opt_level": "O2"}).master_storage == "float32"
+    assert resolve_amp("apex", {"opt_level": "O3"}).master_storage is None
+
+
+@pytest.mark.parametrize("cfg, err, match", [
+    ({"master_weights": "kahn"}, ValueError, r"`master_weights` must be None .*got 'kahn' "
+                                             r"\(did you mean `kahan`\?\)"),
+    ({"master_weights": True}, ValueError, r"`master_weights` must be .* 'float32' keeps "
+                                           r"float32 masters"),
+    ({"state_dtype": "float16"}, ValueError, r"`state_dtype`='float16': float16 optimizer "
+                                             r"state is refused.*Use 'bfloat16'"),
+    ({"state_dtype": "bfloat61"}, ValueError, r"`state_dtype` must be None .*\(did you mean "
+                                              r"`bfloat16`\?\)"),
+    ({"state_dtype": "int8"}, ValueError, r"`state_dtype` must be None .*'float8_e4m3fn'"),
+    ({"state_dtype": "bf16", "state_rounding": "stochastc"}, ValueError,
+     r"`state_rounding` must be one of \['stochastic', 'nearest'\], got 'stochastc' \(did you"),
+    ({"state_rounding": "nearest"}, ValueError, r"`state_rounding='nearest'` has no effect"),
+    ({"state_dtype": "float32", "state_rounding": "nearest"}, ValueError, "has no effect"),
+    ({"master_weights": "remainder", "seed": 3}, ValueError, r"`seed=3` has no effect"),
+    ({"state_dtype": "bf16", "state_rounding": "nearest", "seed": 3}, ValueError,
+     "`seed=3` has no effect"),
+    ({"master_weights": "stochastic", "seed": -1}, ValueError, r"`seed` must be an int in "
+                                                               r"\[0, 4294967295\], got -1"),
+    ({"master_weights": "stochastic", "seed": 2**32}, ValueError, r"`seed` must be an int"),
+    ({"master_weights": "stochastic", "seed": 1.5}, TypeError, r"`seed` must be an int"),
+    ({"master_weight": "kahan"}, ValueError, r"\(did you mean `master_weights`\?\)"),
+])
+def test_bf16_storage_errors(cfg, err, match):
+    with pytest.raises(err, match=match):
+        resolve_amp("bf16", cfg)
+
+
+@pytest.mark.parametrize("cfg", [
+    {"master_weights": "stochastic", "seed": 7},
+    {"state_dtype": "bfloat16", "seed": 7},  # state rounded stochastically by default
+    {"state_dtype": "e4m3", "state_rounding": "nearest"},
+    {"master_weights": "remainder", "state_rounding": "stochastic", "seed": 0},  # defaults
+])
+def test_bf16_storage_combinations_that_take_effect(cfg):
+    plan = resolve_amp("bf16", cfg)
+    assert plan.seed == cfg.get("seed", 0)

@@ -59,6 +59,44 @@ def test_jax_scale_cost(tmp_path):
     assert all(row["warm_compile_s"] > 0 for row in rows.values())
 
 
+def test_jax_no_master_cost(tmp_path):
+    out = tmp_path / "r.json"
+    run_script("jax_no_master_cost.py", "--width", "128", "--layers", "1", "--rounds", "1",
+               "--iters", "1", "--only", "remainder,stochastic_8bit", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert set(r["median_update_ms"]) == {"adam_bf16", "remainder", "stochastic_8bit"}
+    # Byte counts are exact: 2 (bf16 param) + 2 + 2 (bf16 moments) + 2 (remainder); 8-bit
+    # moments add a float32 scale per 128 elements of each, plus a few scalars.
+    n = r["params"]
+    assert n == 128 * 128 + 128
+    assert r["bytes_per_param"]["adam_bf16"] == pytest.approx(6 + 4 / n)
+    assert r["bytes_per_param"]["remainder"] == pytest.approx(8 + 12 / n)
+    assert 4.0625 < r["bytes_per_param"]["stochastic_8bit"] < 4.1
+    assert r["ratio_vs_adam_bf16"]["adam_bf16"] == 1.0
+
+
+@pytest.mark.slow  # 15 short trainings: about 60 s
+def test_jax_no_master_loss(tmp_path):
+    out = tmp_path / "r.json"
+    run_script("jax_no_master_loss.py", "--steps", "3", "--width", "32", "--layers", "1",
+               "--context", "16", "--batch", "4", "--eval-batches", "1", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert len(r["runs"]) == 15 and r["runs"]["float32/float32"]["gap_vs_float32_masters"] == 0
+    assert all(abs(row["gap_vs_float32_masters"]) < 0.05 for row in r["runs"].values())
+    sizes = {k: row["bytes_per_param"] for k, row in r["runs"].items()}
+    assert 14 <= sizes["float32/float32"] < 14.01 and sizes["remainder/bfloat16"] < 8.01
+    assert sizes["stochastic/float8_e4m3fn"] < 4.1
+
+
+def test_jax_no_master_loss_one_method(tmp_path):
+    out = tmp_path / "r.json"
+    run_script("jax_no_master_loss.py", "--steps", "2", "--width", "32", "--layers", "1",
+               "--context", "16", "--batch", "4", "--eval-batches", "1", "--methods",
+               "kahan", "--states", "bfloat16", "--json", str(out))
+    r = json.loads(out.read_text())
+    assert set(r["runs"]) == {"float32/float32", "kahan/bfloat16"}
+
+
 @pytest.mark.slow  # about 8 s
 def test_jax_loss_scale(tmp_path):
     out, cache = tmp_path / "r.json", tmp_path / "cache"

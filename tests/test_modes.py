@@ -208,6 +208,44 @@ def test_autocast_modes_run_matmuls_in_half():
     assert "f16[" in text
 
 
+STORAGE_CFGS = [dict(master_weights="remainder", state_dtype="bfloat16"),
+                dict(master_weights="kahan"),
+                dict(master_weights="stochastic", state_dtype="float8_e4m3fn", seed=3),
+                dict(master_weights="float32"), dict(state_dtype="bfloat16", seed=5)]
+
+
+@pytest.mark.parametrize("cfg", STORAGE_CFGS, ids=lambda c: "-".join(map(str, c.values())))
+def test_bf16_without_float32_masters_trains_close_to_float32(cfg):
+    amp, params, state, losses = run("bf16", cfg)
+    half = "master_weights" in cfg
+    assert {x.dtype for x in jax.tree.leaves(params)} == {
+        np.dtype(jnp.bfloat16) if half else F32}
+    assert (amp.policy.compute_dtype == jnp.bfloat16) and amp.plan.scale_kind == "none"
+    inner = state.inner_state
+    if half:
+        kind = {"remainder": mpfunc.RemainderState, "kahan": mpfunc.KahanState,
+                "stochastic": mpfunc.StochasticRoundingState,
+                "float32": mpfunc.MasterWeightsState}[cfg["master_weights"]]
+        assert isinstance(inner, kind)
+        inner = inner.inner_state
+    if "state_dtype" in cfg:
+        assert isinstance(inner, mpfunc.StateDtypeState)
+        assert int(inner.seed) == cfg.get("seed", 0)
+        moments = inner.inner_state[0]
+        assert moments.mu["w1"].dtype == np.dtype(cfg["state_dtype"])
+    ours, theirs = np.mean(losses[-10:]), np.mean(reference("adam")[-10:])
+    assert abs(ours - theirs) / theirs < 0.05, (ours, theirs)
+
+
+def test_convert_checkpoint_refuses_storage_it_does_not_map_yet():
+    f32 = mpfunc.convert_to_amp(apply, adam(1e-3), mode="torch", enabled=False)
+    rem = mpfunc.convert_to_amp(apply, adam(1e-3), mode="bf16", master_weights="remainder")
+    params = init(jax.random.key(0))
+    with pytest.raises(ValueError, match="mpfunc.convert_checkpoint does not support mode "
+                                         "'bf16' with master_weights='remainder'"):
+        mpfunc.convert_checkpoint(params, f32.optimizer.init(params), f32, rem)
+
+
 def test_modes_match_the_torch_side_table():
     amp = mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="naive")
     assert amp.plan.master_weights and amp.plan.scale_config.hysteresis == 2

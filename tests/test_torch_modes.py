@@ -219,8 +219,18 @@ class TestErrors:
     def test_key_of_another_mode_is_an_error(self):
         with pytest.raises(ValueError, match="\\['hysteresis'\\] for mode 'torch'"):
             self.convert("torch", hysteresis=2)
-        with pytest.raises(ValueError, match="for mode 'bf16'; valid keys for this mode: none"):
+        with pytest.raises(ValueError, match="for mode 'bf16'; valid keys for this mode: "
+                                             "\\['master_weights', 'seed', 'state_dtype'"):
             self.convert("bf16", init_scale=2.0)
+
+    def test_bf16_storage_keys_are_refused_until_wired(self):
+        # Validated in the shared table, and never silently ignored by the torch side.
+        for cfg in [dict(master_weights="remainder"), dict(state_dtype="bfloat16")]:
+            with pytest.raises(ValueError, match="mpfunc_torch.convert_to_amp does not "
+                                                 "support mode 'bf16' with"):
+                self.convert("bf16", **cfg)
+        with pytest.raises(ValueError, match="did you mean `kahan`"):
+            self.convert("bf16", master_weights="kahn")
 
     def test_inconsistent_scale_config(self):
         with pytest.raises(ValueError, match="`min_scale` \\(8.0\\) must be <= `max_scale` \\(4.0\\)"):

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from _mpfunc_common.scale_config import WARM_OFF, WARM_UP
+from _mpfunc_common.storage import refuse_unwired_storage
 from mpfunc._src.master_weights import MasterWeightsState
 from mpfunc._src.modes import AmpSetup
 from mpfunc._src.scale_state import LossScaleState
@@ -78,6 +79,7 @@ def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) ->
         raise TypeError("`target` must be an AmpSetup (from mpfunc.convert_to_amp) or an "
                         f"optax optimizer, got {type(target).__name__}.")
     plan = target.plan
+    refuse_unwired_storage(plan, "mpfunc.convert_checkpoint", supported=("float32",))
     new_params = target.cast_params(truth)
     fresh = target.optimizer.init(new_params)  # the target's structure and first state
     inner = fresh.inner_state
@@ -131,6 +133,7 @@ def _source(params: Any, opt_state: Any, source: Any) -> tuple[Any, Any, Any]:
         raise TypeError("`source` must be an AmpSetup (from mpfunc.convert_to_amp) or an "
                         f"optax optimizer, got {type(source).__name__}.")
     plan = source.plan
+    refuse_unwired_storage(plan, "mpfunc.convert_checkpoint", supported=("float32",))
     if not isinstance(opt_state, LossScaleState):
         raise ValueError("`opt_state` must be the state of `source.optimizer` (a "
                          f"LossScaleState at its root), got {type(opt_state).__name__}.")

@@ -1,4 +1,6 @@
-"""Float32 master weights for half-precision parameters, as an optax wrapper."""
+"""Master weights for half-precision parameters, as an optax wrapper: float32 masters, or
+their stand-ins (a remainder, a Kahan compensation, stochastic rounding; see
+`mpfunc._src.param_storage`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from _mpfunc_common.storage import check_master_storage, check_seed
+from mpfunc._src.param_storage import param_storage
 from mpfunc._src.scale_rule import as_transformation
 
 __all__ = ["MasterWeightsState", "master_weights"]
@@ -34,9 +38,25 @@ def _to_f32(tree):
     return jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if _is_float(x) else x, tree)
 
 
-def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """Keeps float32 master weights and steps ``inner`` on them (the naive/O2 setting).
+def master_weights(
+    inner: optax.GradientTransformation, storage: str = "float32", seed: int = 0
+) -> optax.GradientTransformationExtraArgs:
+    """Keeps the exact values of half-precision params and steps ``inner`` on them.
 
+    ``storage`` says where the exact value of a half param lives between steps (bytes per
+    param beside the 2 of a bfloat16 param, Adam's moments not counted):
+
+    * ``"float32"`` (default; the naive/O2 setting): a float32 master (4 bytes).
+    * ``"remainder"``: an int16 remainder (2 bytes); param and remainder *are* the
+      float32 master (the param is the master rounded to nearest, ties away from zero),
+      so the trajectory is ``"float32"``'s bit for bit. bfloat16 params only.
+    * ``"kahan"``: a compensation in the param's dtype (2 bytes), Kahan-summing each
+      update (optimi's method). bfloat16 or float16 params.
+    * ``"stochastic"``: nothing (the state holds a seed and a step count); the params are
+      rounded stochastically with counter-based random bits of (``seed``, step, element
+      index), the same bits as ``mpfunc_torch`` and for any sharding. bfloat16 only.
+
+    With ``"float32"``:
     ``inner`` runs on the float32 masters with float32 gradients, so updates smaller
     than half precision's resolution still accumulate. The emitted updates are in each
     parameter's dtype: ``round(new_master) - param``, rounded to that dtype, so that
@@ -52,13 +72,35 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
     Composes with loss scaling: ``dynamic_scale(master_weights(adam))`` unscales first,
     and a skipped step leaves the masters (part of this state) untouched.
 
+    The other storages run ``inner`` on the exact values (float32) as well. The params
+    passed to the next ``update`` must be ``optax.apply_updates(params, updates)`` (the
+    params and the state together hold the exact values). Under JAX's default (standard)
+    dtype promotion the updates of half params are float32, ``target - param``, which
+    ``apply_updates`` lands exactly on the target, however large the step. Under strict
+    promotion, which refuses bfloat16 + float32, they are in the param's dtype: then a
+    step that carries a param past zero or shrinks it by more than half can land one
+    rounding (of the step's size) off; a remainder then saturates (the trajectory leaves
+    float32 masters' there), a Kahan compensation absorbs the difference (see
+    `mpfunc._src.param_storage`). A skipped step (`mpfunc.dynamic_scale`) leaves params,
+    remainders, compensation and the step count bit for bit. Where a float32 subnormal
+    (below 2**-126) appears, XLA on CPU flushes it to zero, which NumPy and torch do not.
+
     Args:
       inner: the optimizer to run on the float32 masters (an optax transformation, or an
-        ``optax.MultiSteps``).
+        ``optax.MultiSteps``; `mpfunc.state_dtype` to store its state smaller).
+      storage: ``"float32"``, ``"remainder"``, ``"kahan"`` or ``"stochastic"``.
+      seed: the random bits' seed (an int in [0, 2**32 - 1]), for ``"stochastic"``; a
+        nonzero seed with another storage is an error (it would have no effect).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a `MasterWeightsState`.
-      Its ``update`` needs ``params``.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a `MasterWeightsState`,
+      `RemainderState`, `KahanState` or `StochasticRoundingState`. Its ``update`` needs
+      ``params``.
+
+    Raises:
+      ValueError: an unknown ``storage`` (with the closest name), a param dtype the
+        storage does not support (float16 with "remainder" or "stochastic"), a seed
+        out of range or without effect.
 
     Examples:
       >>> import jax.numpy as jnp, optax, mpfunc
@@ -70,8 +112,23 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
       ...     params = optax.apply_updates(params, updates)
       >>> round(float(params["w"][0]), 3)  # plain float16 SGD would still be at 1.0
       0.99
+      >>> opt = mpfunc.master_weights(optax.sgd(1e-3), storage="remainder")
+      >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+      >>> state = opt.init(params)
+      >>> updates, state = opt.update({"w": jnp.ones(3, jnp.bfloat16)}, state, params)
+      >>> params = optax.apply_updates(params, updates)
+      >>> params["w"].dtype, state.remainders["w"].dtype, int(state.remainders["w"][0])
+      (dtype(bfloat16), dtype('int16'), -16777)
     """
+    storage = check_master_storage(storage, "storage", allow_none=False)
+    seed = check_seed(seed)
+    if seed and storage != "stochastic":
+        raise ValueError(f"`seed={seed}` has no effect with storage={storage!r}: only "
+                         "storage='stochastic' draws random bits (mpfunc.state_dtype "
+                         "takes its own seed).")
     inner = as_transformation(inner)
+    if storage != "float32":
+        return param_storage(inner, storage, seed)
 
     def init_fn(params):
         # The masters are their own buffers, float32 params included (apex O2's norms):

@@ -14,6 +14,7 @@ import optax
 
 from _mpfunc_common.amp_config import AmpPlan, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
+from _mpfunc_common.storage import rounds_stochastically
 from mpfunc._src.autocast import autocast, half_model
 from mpfunc._src.clipping import clip_by_global_norm, sharded_sum
 from mpfunc._src.distributed import check_axis_name
@@ -23,6 +24,7 @@ from mpfunc._src.master_weights import master_weights
 from mpfunc._src.model_state import amp_io, map_leaves
 from mpfunc._src.policy import Policy
 from mpfunc._src.scale_rule import as_transformation
+from mpfunc._src.state_dtype import state_dtype
 
 __all__ = ["AmpSetup", "ZeroCountState", "convert_to_amp", "count_zeros", "is_norm_param"]
 
@@ -141,12 +143,18 @@ def convert_to_amp(
     naive   float16 (all)           float16      dynamic, "naive"      yes
                                                  (hysteresis 2),
                                                  warm start
-    bf16    float32                 autocast     none (non-finite      no
-                                    bf16         steps still skipped)
+    bf16    float32 (or bfloat16,   autocast     none (non-finite      no (or
+            all, with               bf16 (or     steps still skipped)  master_weights)
+            ``master_weights``)     bfloat16)
     fp8     float32                 as bf16;     none, as bf16         no
                                     dense
                                     matmuls fp8
     ======  ======================  ===========  ====================  ==============
+
+    bf16's ``master_weights`` (``"float32"``, ``"remainder"``, ``"kahan"``,
+    ``"stochastic"``) makes the params bfloat16 (a half model, as naive's float16) and
+    wraps the optimizer in `mpfunc.master_weights` with that storage; ``state_dtype``
+    wraps it in `mpfunc.state_dtype` (with ``state_rounding`` and ``seed``).
 
     ``apply_fn(params, *args, **kwargs)`` is wrapped: with autocast modes it runs under
     `mpfunc.autocast`; otherwise floating inputs are cast to the compute dtype. Outputs
@@ -279,8 +287,13 @@ def convert_to_amp(
                      clip_by_global_norm(plan.clip_grad, axis_name=axis_name, specs=specs))
     links.append(optimizer)
     inner = optax.chain(*links) if len(links) > 1 else optimizer
-    if plan.master_weights:
-        inner = master_weights(inner)
+    if plan.state_dtype is not None:  # each seed only where it draws bits (else an error)
+        inner = state_dtype(inner, plan.state_dtype, plan.state_rounding, plan.seed if
+                            rounds_stochastically(None, plan.state_dtype, plan.state_rounding)
+                            else 0)
+    if plan.master_storage is not None:
+        inner = master_weights(inner, plan.master_storage,
+                               plan.seed if plan.master_storage == "stochastic" else 0)
     if plan.scale_kind == "dynamic":
         tx = _scale_transform(inner, cfg=plan.scale_config, static_value=None,
                               axis_name=axis_name, record_skip_leaves=record_skip_leaves)

@@ -23,6 +23,7 @@ import torch
 
 from _mpfunc_common.amp_config import resolve_amp
 from _mpfunc_common.mixed_precision import mode_and_config
+from _mpfunc_common.storage import refuse_unwired_storage
 from mpfunc_torch._src.checkpoint import FORMAT, FROM_MODEL
 from mpfunc_torch._src.master_weights import has_stepped, non_finite_names
 
@@ -116,7 +117,9 @@ def _target(mode: Any, mixed_precision: Any, config: dict[str, Any]):
         if config:
             raise ValueError(f"mode='fp32' (plain torch) takes no keys, got {sorted(config)}.")
         return None
-    return resolve_amp(*mode_and_config(mode, mixed_precision, config))
+    plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
+    refuse_unwired_storage(plan, "mpfunc_torch.convert_checkpoint")
+    return plan
 
 
 def _source(sd: Any) -> dict[str, Any]:

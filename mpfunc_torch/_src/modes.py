@@ -13,6 +13,7 @@ from torch import nn
 
 from _mpfunc_common.amp_config import check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
+from _mpfunc_common.storage import refuse_unwired_storage
 from mpfunc_torch._src import fused
 from mpfunc_torch._src.cast_ahead import cast_ahead_of, release_cast_ahead
 from mpfunc_torch._src.checkpoint_convert import guard_inner_load, refuse_optimizer_state
@@ -322,6 +323,7 @@ def convert_to_amp(
                 "optimizer's step() takes none: it checks the gradients of the backward "
                 "before it. Use an optimizer whose closure is optional.")
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
+    refuse_unwired_storage(plan, "mpfunc_torch.convert_to_amp")
     refuse_converted_model(model)
     if is_norm is not None:
         if not callable(is_norm):
