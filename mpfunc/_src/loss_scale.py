@@ -20,7 +20,6 @@ from _mpfunc_common.scale_config import (
 )
 from mpfunc._src.distributed import AxisName, _is_float, check_axis_name, finite_and_flags
 from mpfunc._src.exact_skip import cond_skip_update, neg_zeros_like, skip_update
-from mpfunc._src.precision_report import skip_record, skip_record_init
 from mpfunc._src.scale_rule import (
     as_transformation,
     check_inner_state,
@@ -29,6 +28,7 @@ from mpfunc._src.scale_rule import (
     next_scale,
 )
 from mpfunc._src.scale_state import LossScaleState, ScaledValueAndGrad, _unscale
+from mpfunc._src.skip_record import skip_record, skip_record_init
 
 __all__ = [
     "as_transformation",
