@@ -24,7 +24,7 @@ from _mpfunc_common.mixed_precision import (
 )
 from _mpfunc_common.scale_config import ScaleConfig
 from _mpfunc_common.version import __version__ as __version__
-from mpfunc_torch._src.autocast import checkpoint_context_fn
+from mpfunc_torch._src.activation_checkpoint import checkpoint_context_fn
 from mpfunc_torch._src.booster import backward, boost
 from mpfunc_torch._src.checkpoint_convert import convert_checkpoint
 from mpfunc_torch._src.clipping import clip_grad_norm_, mark_replicated
