@@ -12,7 +12,7 @@ Three custom ops (``torch.ops.mpfunc.*``) carry the quantisation of `Fp8Linear` 
 On CUDA each is one Triton kernel (`mpfunc_torch._src.fp8_triton`), so a tensorwise
 operand is two kernels (torch's amax reduction, then the cast), a delayed one three (the
 history's max, the cast with the amax, the update) and a rowwise or blockwise one
-one. Elsewhere (CPU) each op runs the rule with torch ops (`fp8_quantize`'s helpers),
+one. Elsewhere (CPU) each op runs the rule with torch ops (`fp8_rule`),
 or the Triton kernels under Triton's interpreter (``TRITON_INTERPRET=1``). Both give
 the rule's bits (`_mpfunc_common.fp8.QUANTIZE_RULE`).
 
@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from mpfunc_torch._src.fp8_quantize import (
+from mpfunc_torch._src.fp8_rule import (
     _DTYPES,
     all_reduce_max,
     block_amax,
