@@ -36,9 +36,9 @@ from mpfunc._src.flax_policy import (
     linen_policy,
     norm_classes,
 )
-from mpfunc._src.fp8 import Fp8DotState, Fp8Meta, fp8_dot, fp8_dot_state
-from mpfunc._src.fp8_convert import Fp8Function, convert_to_fp8
-from mpfunc._src.fp8_quantize import dequantize_fp8, quantize_fp8
+from mpfunc._src.fp8.convert import Fp8Function, convert_to_fp8
+from mpfunc._src.fp8.matmul import Fp8DotState, Fp8Meta, fp8_dot, fp8_dot_state
+from mpfunc._src.fp8.quantize import dequantize_fp8, quantize_fp8
 from mpfunc._src.loss_scale import (
     chain,
     dynamic_scale,

@@ -29,8 +29,8 @@ from mpfunc_torch._src.booster import backward, boost
 from mpfunc_torch._src.checkpoint_convert import convert_checkpoint
 from mpfunc_torch._src.clipping import clip_grad_norm_, mark_replicated
 from mpfunc_torch._src.dcp import get_state_dict, set_state_dict
-from mpfunc_torch._src.fp8_convert import Fp8Linear, convert_to_fp8
-from mpfunc_torch._src.fp8_quantize import dequantize_fp8, quantize_fp8
+from mpfunc_torch._src.fp8.convert import Fp8Linear, convert_to_fp8
+from mpfunc_torch._src.fp8.quantize import dequantize_fp8, quantize_fp8
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.model import AmpCriterion, AmpModel, is_norm_module
 from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp

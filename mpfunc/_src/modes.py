@@ -18,7 +18,7 @@ from _mpfunc_common.storage import rounds_stochastically
 from mpfunc._src.autocast import autocast, half_model
 from mpfunc._src.clipping import clip_by_global_norm, sharded_sum
 from mpfunc._src.distributed import check_axis_name
-from mpfunc._src.fp8_convert import fp8_mode_apply
+from mpfunc._src.fp8.convert import fp8_mode_apply
 from mpfunc._src.master_weights import master_weights
 from mpfunc._src.model_state import amp_io, map_leaves
 from mpfunc._src.policy import Policy

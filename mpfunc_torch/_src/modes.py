@@ -18,7 +18,7 @@ from mpfunc_torch._src.cast_ahead import cast_ahead_of, release_cast_ahead
 from mpfunc_torch._src.checkpoint_convert import guard_inner_load, refuse_optimizer_state
 from mpfunc_torch._src.chunked_step import check_step_chunks
 from mpfunc_torch._src.distributed import normalize_groups
-from mpfunc_torch._src.fp8_convert import convert_to_fp8
+from mpfunc_torch._src.fp8.convert import convert_to_fp8
 from mpfunc_torch._src.master_weights import (
     follow_model_loads,
     keep_half_masters,

@@ -1,9 +1,9 @@
 """The fp8 quantisation rule (`_mpfunc_common.fp8.QUANTIZE_RULE`) with plain torch ops.
 
 The amaxes, the scales and the saturating cast, bit for bit with JAX's
-(``mpfunc/_src/fp8_quantize.py``). They are the reference the fused kernels
-(``fp8_fused``) match, the path they take under ``torch.compile`` and on CPU, and what
-`quantize_fp8` (``fp8_quantize``) and the fp8 linear build on.
+(``mpfunc/_src/fp8/quantize.py``). They are the reference the fused kernels
+(``fused``) match, the path they take under ``torch.compile`` and on CPU, and what
+`quantize_fp8` (``quantize``) and the fp8 linear build on.
 """
 
 from __future__ import annotations

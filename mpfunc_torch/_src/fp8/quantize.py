@@ -1,8 +1,8 @@
 """fp8 quantisation for PyTorch: the rule in `_mpfunc_common.fp8`, bit for bit with JAX's.
 
 `quantize_fp8` / `dequantize_fp8` follow ``_mpfunc_common.fp8.QUANTIZE_RULE`` exactly, so
-they give the same bits as ``mpfunc``'s (``mpfunc/_src/fp8_quantize.py``).
-The rule's torch ops are in ``fp8_rule``, the fused kernels in ``fp8_fused``.
+they give the same bits as ``mpfunc``'s (``mpfunc/_src/fp8/quantize.py``).
+The rule's torch ops are in ``rule``, the fused kernels in ``fused``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from _mpfunc_common.fp8 import check_block, scale_shape
-from mpfunc_torch._src import fp8_fused
 from mpfunc_torch._src.distributed import normalize_groups
-from mpfunc_torch._src.fp8_rule import _F32, _as_2d, _fp8_name, _tiled, _untiled, quantize_with
+from mpfunc_torch._src.fp8 import fused
+from mpfunc_torch._src.fp8.rule import _F32, _as_2d, _fp8_name, _tiled, _untiled, quantize_with
 
 __all__ = ["dequantize_fp8", "quantize_fp8"]
 
@@ -125,10 +125,10 @@ def quantize_fp8(
     x2 = _as_2d(x)
     if scale is None:
         if block is None:
-            q, _, scale = fp8_fused.cast_current(x2, name, margin, power_of_2_scales, groups,
+            q, _, scale = fused.cast_current(x2, name, margin, power_of_2_scales, groups,
                                                  False)
         else:
-            q, scale = fp8_fused.quantize_blocks(x2, name, block, margin, power_of_2_scales)
+            q, scale = fused.quantize_blocks(x2, name, block, margin, power_of_2_scales)
         return q.reshape(x.shape), scale
     scale = torch.as_tensor(scale, dtype=_F32, device=x.device)
     want = scale_shape(tuple(x.shape), block)
@@ -136,7 +136,7 @@ def quantize_fp8(
         raise ValueError(f"`scale` must have shape {want} for this block, got "
                          f"{tuple(scale.shape)}.")
     if block is None:
-        return fp8_fused.cast_given(x2, scale, name)[0].reshape(x.shape), scale
+        return fused.cast_given(x2, scale, name)[0].reshape(x.shape), scale
     return quantize_with(x, scale, block, name), scale
 
 
