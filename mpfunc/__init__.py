@@ -27,7 +27,7 @@ from _mpfunc_common.mixed_precision import (
 )
 from _mpfunc_common.version import __version__ as __version__
 from mpfunc._src.autocast import AutocastLists, autocast
-from mpfunc._src.checkpoint_convert import convert_checkpoint
+from mpfunc._src.checkpoint.convert import convert_checkpoint
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.distributed import all_finite
 from mpfunc._src.flax_policy import (

@@ -15,7 +15,8 @@ from _mpfunc_common.amp_config import check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from _mpfunc_common.storage import refuse_unwired_storage
 from mpfunc_torch._src.cast_ahead import cast_ahead_of, release_cast_ahead
-from mpfunc_torch._src.checkpoint_convert import guard_inner_load, refuse_optimizer_state
+from mpfunc_torch._src.checkpoint.convert import guard_inner_load, refuse_optimizer_state
+from mpfunc_torch._src.checkpoint.model_load import guard_model_loads
 from mpfunc_torch._src.chunked_step import check_step_chunks
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.fp8.convert import convert_to_fp8
@@ -34,7 +35,6 @@ from mpfunc_torch._src.model import (
     params_cast,
     refuse_converted_model,
 )
-from mpfunc_torch._src.model_load import guard_model_loads
 from mpfunc_torch._src.optimizer import AmpOptimizer
 from mpfunc_torch._src.optimizer_checks import (
     check_optimizer_params,

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from _mpfunc_common.amp_config import AmpPlan
-from mpfunc_torch._src import checkpoint, fused
+from mpfunc_torch._src import fused
+from mpfunc_torch._src.checkpoint import optimizer_state
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
     global_grad_norm,
@@ -364,7 +365,7 @@ class AmpOptimizer(OptimizerMetrics, WrappedOptimizer):
         """
         def save():
             follow_model_writes_(self._pairs, self._versions)
-            return checkpoint.save(self)
+            return optimizer_state.save(self)
 
         return self._state_dict_with_hooks(save)
 
@@ -386,7 +387,7 @@ class AmpOptimizer(OptimizerMetrics, WrappedOptimizer):
         the loss scale and growth tracker (brought into this config's range).
         """
         def load(state_dict):
-            checkpoint.load(self, state_dict)
+            optimizer_state.load(self, state_dict)
             # in place: the model's load hooks hold this dict
             self._versions.update(model_versions(self._pairs))
             self._pending = None

@@ -2,7 +2,7 @@
 
 Everything in a checkpoint is validated before anything is written, so a failed load
 leaves the optimizer, its loss scalers and its master weights exactly as they were. The
-converted model's own load is checked in `mpfunc_torch._src.model_load`.
+converted model's own load is checked in `mpfunc_torch._src.checkpoint.model_load`.
 """
 
 from __future__ import annotations
