@@ -1,7 +1,7 @@
 """Collection rules for the whole checkout; tests/conftest.py configures the tests.
 
 The doctest collector imports every module of the three packages. A module whose
-optional dependency is not installed (Triton for `mpfunc_torch/_src/fp8_triton.py`,
+optional dependency is not installed (Triton for `mpfunc_torch/_src/fp8/triton_kernels.py`,
 Lightning or transformers for the trainer modules, jax for `mpfunc` in a torch-only
 install) would stop the whole run with a collection error; it is skipped instead, with
 the import's own message as the reason (the packages' messages name the extra to

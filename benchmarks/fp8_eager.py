@@ -33,8 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpfunc_torch
-from mpfunc_torch._src import fp8 as fp8_mod
-from mpfunc_torch._src import fp8_fused
+from mpfunc_torch._src.fp8 import fused as fp8_fused
+from mpfunc_torch._src.fp8 import matmul as fp8_mod
 
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 

@@ -61,7 +61,7 @@ from _jax_compiles import (
 
 import mpfunc
 from _mpfunc_common.scale_config import resolve_scale_config
-from mpfunc._src.loss_scale import _scale_transform
+from mpfunc._src.scale_transform import _scale_transform
 
 WIDTH = 256
 LR = 1e-3

@@ -27,7 +27,7 @@ from _mpfunc_common.mixed_precision import (
 )
 from _mpfunc_common.version import __version__ as __version__
 from mpfunc._src.autocast import AutocastLists, autocast
-from mpfunc._src.checkpoint_convert import convert_checkpoint
+from mpfunc._src.checkpoint.convert import convert_checkpoint
 from mpfunc._src.clipping import clip_by_global_norm, global_norm
 from mpfunc._src.distributed import all_finite
 from mpfunc._src.flax_policy import (
@@ -36,9 +36,9 @@ from mpfunc._src.flax_policy import (
     linen_policy,
     norm_classes,
 )
-from mpfunc._src.fp8 import Fp8DotState, Fp8Meta, fp8_dot, fp8_dot_state
-from mpfunc._src.fp8_convert import Fp8Function, convert_to_fp8
-from mpfunc._src.fp8_quantize import dequantize_fp8, quantize_fp8
+from mpfunc._src.fp8.convert import Fp8Function, convert_to_fp8
+from mpfunc._src.fp8.matmul import Fp8DotState, Fp8Meta, fp8_dot, fp8_dot_state
+from mpfunc._src.fp8.quantize import dequantize_fp8, quantize_fp8
 from mpfunc._src.loss_scale import (
     chain,
     dynamic_scale,

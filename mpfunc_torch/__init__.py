@@ -24,19 +24,19 @@ from _mpfunc_common.mixed_precision import (
 )
 from _mpfunc_common.scale_config import ScaleConfig
 from _mpfunc_common.version import __version__ as __version__
-from mpfunc_torch._src.autocast import checkpoint_context_fn
-from mpfunc_torch._src.booster import backward, boost
-from mpfunc_torch._src.checkpoint_convert import convert_checkpoint
+from mpfunc_torch._src.activation_checkpoint import checkpoint_context_fn
+from mpfunc_torch._src.checkpoint.convert import convert_checkpoint
+from mpfunc_torch._src.checkpoint.dcp import get_state_dict, set_state_dict
 from mpfunc_torch._src.clipping import clip_grad_norm_, mark_replicated
-from mpfunc_torch._src.dcp import get_state_dict, set_state_dict
-from mpfunc_torch._src.fp8_convert import Fp8Linear, convert_to_fp8
-from mpfunc_torch._src.fp8_quantize import dequantize_fp8, quantize_fp8
+from mpfunc_torch._src.fp8.convert import Fp8Linear, convert_to_fp8
+from mpfunc_torch._src.fp8.quantize import dequantize_fp8, quantize_fp8
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.model import AmpCriterion, AmpModel, is_norm_module
 from mpfunc_torch._src.modes import AMP_TYPE, convert_to_amp
 from mpfunc_torch._src.nonfinite_watch import NonfiniteWatch, watch_nonfinite
 from mpfunc_torch._src.optimizer import AmpOptimizer
 from mpfunc_torch._src.precision_report import PrecisionReport, precision_report
+from mpfunc_torch._src.trainers.booster import backward, boost
 
 __all__ = [
     "AMP_TYPE",

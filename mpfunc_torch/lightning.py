@@ -7,6 +7,6 @@ whichever are installed. Needs the `lightning` extra (``pip install
 'mpfunc[lightning]'``); ``import mpfunc_torch`` alone never imports Lightning.
 """
 
-from mpfunc_torch._src.lightning_plugin import AmpPrecision
+from mpfunc_torch._src.trainers.lightning import AmpPrecision
 
 __all__ = ["AmpPrecision"]

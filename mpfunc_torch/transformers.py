@@ -7,6 +7,6 @@ precision with its loss scaling, exact skips and master weights. Needs the `hf` 
 alone never imports them.
 """
 
-from mpfunc_torch._src.hf_trainer import AmpTrainer
+from mpfunc_torch._src.trainers.huggingface import AmpTrainer
 
 __all__ = ["AmpTrainer"]

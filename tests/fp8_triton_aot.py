@@ -29,7 +29,7 @@ def compile_all(cc: int = 90):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from mpfunc_torch._src import fp8_triton as ft
+    from mpfunc_torch._src.fp8 import triton_kernels as ft
 
     f32 = {n: "*fp32" for n in ("src_ptr", "prev_ptr", "scale_ptr", "part_ptr", "s_ptr",
                                 "hist_ptr")}

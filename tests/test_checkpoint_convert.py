@@ -1,4 +1,4 @@
-"""Tests for mpfunc._src.checkpoint_convert: a run's params and optimizer state moved
+"""Tests for mpfunc._src.checkpoint.convert: a run's params and optimizer state moved
 between modes (issue 40, item 5; the torch twin is tests/test_torch_resume.py)."""
 
 import chex

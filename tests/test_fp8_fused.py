@@ -1,4 +1,4 @@
-"""Tests for mpfunc_torch._src.fp8_fused / fp8_triton: the fused eager quantisation.
+"""Tests for mpfunc_torch._src.fp8.fused / fp8_triton: the fused eager quantisation.
 
 Each operand of an eager `Fp8Linear` is quantised by at most three dispatched kernels
 (custom ops ``torch.ops.mpfunc.*`` plus torch's amax reduction), counted with a
@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpfunc_torch
 from _mpfunc_common.fp8 import resolve_recipe
-from mpfunc_torch._src import fp8 as fp8_mod
-from mpfunc_torch._src import fp8_fused
+from mpfunc_torch._src.fp8 import fused as fp8_fused
+from mpfunc_torch._src.fp8 import matmul as fp8_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise"]
@@ -258,7 +258,7 @@ def test_the_bit_for_bit_suites_under_the_interpreter():
 @pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (the test above)")
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_op_is_one_triton_kernel(recipe, monkeypatch):
-    from mpfunc_torch._src import fp8_triton
+    from mpfunc_torch._src.fp8 import triton_kernels as fp8_triton
 
     launches = []
     for name in ("cast_per_tensor", "quantize_blocks", "record_amax"):

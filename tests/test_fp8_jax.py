@@ -1,4 +1,4 @@
-"""Tests for mpfunc._src.fp8 and fp8_convert: the fp8 dot, delayed state, convert_to_fp8."""
+"""Tests for mpfunc._src.fp8.matmul and fp8_convert: the fp8 dot, delayed state, convert_to_fp8."""
 
 import functools
 

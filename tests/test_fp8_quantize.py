@@ -1,4 +1,4 @@
-"""Tests for mpfunc._src.fp8_quantize and mpfunc_torch._src.fp8_quantize: fp8 quantisation,
+"""Tests for mpfunc._src.fp8.quantize and mpfunc_torch._src.fp8.quantize: fp8 quantisation,
 JAX and torch against a plain NumPy reference, and against each other.
 
 Both sides implement ``_mpfunc_common.fp8.QUANTIZE_RULE``; the reference

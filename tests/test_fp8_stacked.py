@@ -1,4 +1,4 @@
-"""Tests for mpfunc._src.fp8_stacked: fp8 through stacked layer params and scan bodies.
+"""Tests for mpfunc._src.fp8.stacked: fp8 through stacked layer params and scan bodies.
 
 A scanned model (``jax.lax.scan`` over params stacked along a layer axis) and the same
 model unrolled over slices ``w[i]`` get every dense GEMM in fp8 (forward, input

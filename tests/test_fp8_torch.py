@@ -1,4 +1,4 @@
-"""Tests for mpfunc_torch._src.fp8 / fp8_convert: Fp8Linear, _scaled_mm, convert_to_fp8."""
+"""Tests for mpfunc_torch._src.fp8.matmul / fp8_convert: Fp8Linear, _scaled_mm, convert_to_fp8."""
 
 import io
 
@@ -161,7 +161,7 @@ def checked_scaled_mm(calls):
 def operands_written_in_layout(monkeypatch):
     """Fails if `scaled_mm` gets an operand it has to copy: the quantiser writes each fp8
     operand (and the transposed copies the backward needs) row-major already."""
-    from mpfunc_torch._src import fp8 as fp8_mod
+    from mpfunc_torch._src.fp8 import matmul as fp8_mod
 
     real = fp8_mod.scaled_mm
 
@@ -247,7 +247,7 @@ def test_the_backward_keeps_fp8_copies_not_the_input(recipe, monkeypatch):
         assert not any(t is x or t is layer.weight for t in saved)
     else:
         assert fp8 == [] and any(t is x for t in saved)
-    from mpfunc_torch._src import fp8 as fp8_mod
+    from mpfunc_torch._src.fp8 import matmul as fp8_mod
 
     real, asked = fp8_mod._quantize_pair, []
     monkeypatch.setattr(fp8_mod, "_quantize_pair", lambda *a: asked.append(a[-1]) or real(*a))

@@ -368,16 +368,16 @@ def test_ci_runs_every_step_in_a_clone_named_mpfunc(tmp_path):
 
 
 def test_pytest_collects_without_triton_and_skips_its_module_saying_why():
-    # The doctest collector imports every module; fp8_triton.py imports Triton, which
+    # The doctest collector imports every module; fp8/triton_kernels.py imports Triton, which
     # only the `triton` extra (or a CUDA torch) brings. Without it the run goes on.
     out = run_without("triton", """
         import pytest
         rc = pytest.main(["-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-rs",
-                          "mpfunc_torch/_src/fp8_triton.py", "mpfunc_torch/_src/loss_scale.py"])
+                          "mpfunc_torch/_src/fp8/triton_kernels.py", "mpfunc_torch/_src/loss_scale.py"])
         raise SystemExit(int(rc))
     """)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert ("SKIPPED [1] conftest.py:25: mpfunc_torch/_src/fp8_triton.py: No module named "
+    assert ("SKIPPED [1] conftest.py:25: mpfunc_torch/_src/fp8/triton_kernels.py: No module named "
             "'triton' (the `triton` extra)") in out.stdout
     assert " passed" in out.stdout  # the other module's doctests still ran
 

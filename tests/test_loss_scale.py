@@ -25,7 +25,7 @@ from lenient import adam, lenient
 
 import mpfunc
 from _mpfunc_common.scale_config import resolve_scale_config
-from mpfunc._src.loss_scale import _scale_transform
+from mpfunc._src.scale_transform import _scale_transform
 
 MAX_STEPS = 128  # keeps every reference scale a normal float32 (see the apex note)
 

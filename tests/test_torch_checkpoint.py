@@ -1,4 +1,4 @@
-"""Tests for mpfunc_torch._src.checkpoint: AmpOptimizer state dicts, resume, and an
+"""Tests for mpfunc_torch._src.checkpoint.optimizer_state: AmpOptimizer state dicts, resume, and an
 all-or-nothing load that rejects corrupt values."""
 
 

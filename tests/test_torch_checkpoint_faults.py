@@ -1,4 +1,4 @@
-"""Fault injection into checkpoints (mpfunc_torch._src.checkpoint): random corruptions of
+"""Fault injection into checkpoints (mpfunc_torch._src.checkpoint.optimizer_state): random corruptions of
 an `AmpOptimizer`'s state dict are refused whole or load and train finite; a state
 saved by one implementation of an optimizer (foreach, fused) resumes in another; and a
 converted model's `load_state_dict` refuses, before copying anything, what torch would

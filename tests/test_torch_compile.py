@@ -390,7 +390,7 @@ def test_the_fused_cast_keeps_the_rule_bit_for_bit(name):
     import numpy as np
     from fp8_reference import ref_cast
 
-    from mpfunc_torch._src.fp8_quantize import cast_pair
+    from mpfunc_torch._src.fp8.rule import cast_pair
 
     specials = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 3e38, -3e38, 448.0, 464.0,
                 57344.0, 61440.0, 1.0625, 1.1875, 2.0**-10, 2.0**-17, 1.5 * 2.0**-9]

@@ -18,12 +18,12 @@ from _mpfunc_common.storage import rounds_stochastically
 from mpfunc._src.autocast import autocast, half_model
 from mpfunc._src.clipping import clip_by_global_norm, sharded_sum
 from mpfunc._src.distributed import check_axis_name
-from mpfunc._src.fp8_convert import fp8_mode_apply
-from mpfunc._src.loss_scale import _scale_transform
+from mpfunc._src.fp8.convert import fp8_mode_apply
 from mpfunc._src.master_weights import master_weights
 from mpfunc._src.model_state import amp_io, map_leaves
 from mpfunc._src.policy import Policy
 from mpfunc._src.scale_rule import as_transformation
+from mpfunc._src.scale_transform import _scale_transform
 from mpfunc._src.state_dtype import state_dtype
 
 __all__ = ["AmpSetup", "ZeroCountState", "convert_to_amp", "count_zeros", "is_norm_param"]

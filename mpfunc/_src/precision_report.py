@@ -31,15 +31,14 @@ from _mpfunc_common.precision_report import (
 )
 from mpfunc._src.distributed import (
     AxisName,
-    _is_float,
     _varying_axes,
     check_axis_name,
     unbound_axis_error,
 )
-from mpfunc._src.scale_state import _find_states, _host_flags
+from mpfunc._src.scale_state import _find_states
+from mpfunc._src.skip_record import _float_leaves, _host_flags
 
-__all__ = ["NamedFlags", "PrecisionReport", "precision_report", "reduce_flags", "skip_paths",
-           "skip_record", "skip_record_init"]
+__all__ = ["NamedFlags", "PrecisionReport", "precision_report", "reduce_flags"]
 
 _F32, _I32, _U8 = jnp.float32, jnp.int32, jnp.uint8
 
@@ -175,12 +174,6 @@ def _scale_array(loss_scale: Any) -> jax.Array:
     if not isinstance(loss_scale, int | float) and len(found := _find_states(loss_scale)) == 1:
         return found[0].loss_scale  # read now: NNX's state is a mutable variable
     return jnp.asarray(check_loss_scale(loss_scale), _F32)
-
-
-def _float_leaves(tree: Any) -> tuple[tuple[str, ...], list]:
-    pairs = [(jax.tree_util.keystr(p), x)
-             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if _is_float(x)]
-    return tuple(p for p, _ in pairs), [x for _, x in pairs]
 
 
 def _check_like(grads: Any, params: Any) -> None:
@@ -378,40 +371,3 @@ def precision_report(
     return PrecisionReport(
         nonfinite=fl[:, 0] > 0, amax=fl[:, 1], zeros=counts[:, 0], underflows=counts[:, 1],
         sizes=counts[:, 2], loss_scale=scale, forward=forward, paths=paths, dtype=fmt.name)
-
-
-# -- which leaves made the last step skip (kept in the loss-scale state) -----------------
-
-def skip_record_init(params: Any) -> jax.Array:
-    """The state's record before any skip: one False per floating leaf of ``params``."""
-    return jnp.zeros((len(_float_leaves(params)[0]),), jnp.bool_)
-
-
-def skip_record(prev: jax.Array | None, flags: jax.Array, finite: jax.Array) -> jax.Array:
-    """``prev`` on a finite step; on a skipped one, the step's per-leaf flags (from the
-    finite check's own reductions: `mpfunc.all_finite`'s, at no extra cost).
-
-    A record of another length (gradients with other leaves than ``init``'s params, which
-    the chain form accepts) is left as it was, and so is a missing one (None).
-    """
-    if prev is None or prev.shape != flags.shape:
-        return prev
-    return jnp.where(finite, prev, flags)
-
-
-def skip_paths(record: Any, params: Any) -> list[str]:
-    """The keystr paths of ``params``' floating leaves whose flag is set in ``record``
-    (one read from the device)."""
-    if record is None:
-        raise ValueError(
-            "`skip_leaves` needs the loss-scale state's skip record, and this state keeps "
-            "none: build the transformation with `record_skip_leaves=True` "
-            "(`mpfunc.dynamic_scale`, `static_scale`, `no_scale` or `convert_to_amp`) and "
-            "init the state with it. `mpfunc.precision_report(grads)` names every "
-            "non-finite leaf of a step without it.")
-    paths = _float_leaves(params)[0]
-    if len(paths) != record.shape[0]:
-        raise ValueError(
-            f"`skip_leaves` must be the params the loss-scale state was made for: it has "
-            f"{len(paths)} floating leaves, the state's record has {record.shape[0]}.")
-    return [p for p, f in zip(paths, _host_flags(record)) if f]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from _mpfunc_common.fp8 import FP8_MAX
 from _mpfunc_common.rounding import FP8_MANTISSA_BITS, FP8_MIN_NORMAL, MIX_CONSTANTS
 from _mpfunc_common.storage import STATE_BLOCK
-from mpfunc._src.fp8_quantize import _cast, scale_from_amax
+from mpfunc._src.fp8.quantize import _cast, scale_from_amax
 
 __all__ = [
     "bf16_from_pattern",
@@ -177,7 +177,7 @@ def _unblock(t: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 def quantize_state_8bit(x: jax.Array, name: str, rand: jax.Array | None = None):
     """A float32 state leaf -> (fp8 codes, shape of ``x``; float32 scales per block).
 
-    `_mpfunc_common.rounding.quantize_state_8bit`: the blockwise fp8 rule (fp8_quantize's
+    `_mpfunc_common.rounding.quantize_state_8bit`: the blockwise fp8 rule (fp8/quantize.py's
     amax and scale) on the flattened leaf in blocks of `STATE_BLOCK`, rounded to
     nearest (``rand`` None) or stochastically with ``rand`` (uint32, shape of ``x``).
     """

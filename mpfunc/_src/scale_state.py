@@ -8,9 +8,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mpfunc._src.distributed import AxisName, _is_float, all_finite, check_axis_name
+from mpfunc._src.skip_record import skip_paths
 
 __all__ = [
     "LossScaleState",
@@ -20,13 +20,6 @@ __all__ = [
     "scale_metrics",
     "value_and_grad",
 ]
-
-
-def _host_flags(flags: Any) -> list[bool]:
-    if isinstance(flags, jax.core.Tracer):
-        raise TypeError("These flags are traced values: read them outside `jit` (return "
-                        "them from the step first).")
-    return np.asarray(jax.device_get(flags)).reshape(-1).tolist()
 
 
 class LossScaleState(NamedTuple):
@@ -219,8 +212,6 @@ def scale_metrics(opt_state: Any, *, skip_leaves: Any = None) -> dict[str, Any]:
         if hasattr(leaf, "num_zeros_in_grad"):
             out["num_zeros_in_grad"] = _value(leaf.num_zeros_in_grad)
     if skip_leaves is not None:
-        from mpfunc._src.precision_report import skip_paths  # it imports this module
-
         out["skip_leaves"] = skip_paths(s.skip_leaves, skip_leaves)
     return out
 

@@ -27,8 +27,8 @@ from mpfunc_torch._src.model import (
     is_norm_module,
     params_cast,
     refuse_converted_model,
-    refuse_data_parallel_wrapper,
 )
+from mpfunc_torch._src.sharding import refuse_data_parallel_wrapper
 
 __all__ = ["cast_ahead", "CastAhead", "cast_ahead_of", "release_cast_ahead",
            "sync_cast_ahead_"]

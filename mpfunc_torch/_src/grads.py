@@ -12,10 +12,11 @@ from collections.abc import Sequence
 import torch
 
 from mpfunc_torch._src import fused
+from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.sharding import local
 
 __all__ = ["grads_of", "coalesce_sparse_", "set_aside_", "add_back_unscaled_", "check_",
-           "inv_scale_or_none", "unscale_checked_"]
+           "inv_scale_or_none", "unscale_checked_", "unscale_owned_", "recheck_unscaled_"]
 
 
 def grads_of(owned: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -109,3 +110,28 @@ def zero_grads_(params: Sequence[torch.Tensor], set_to_none: bool) -> None:
         else:
             p.grad.detach_()
             p.grad.zero_()
+
+
+def unscale_owned_(owned: Sequence[torch.Tensor], found: torch.Tensor, scaler, groups,
+                   flags: torch.Tensor | None) -> None:
+    """`AmpOptimizer.unscale_` with one scale: unscales and checks ``owned``'s gradients
+    in one fused pass, then reduces ``found`` over ``groups``."""
+    coalesce_sparse_(owned)
+    unscale_checked_(grads_of(owned), found, inv_scale_or_none(scaler),
+                     scaler.may_go_below_one, flags)
+    all_reduce_found_inf_(found, groups)
+
+
+def recheck_unscaled_(owned: Sequence[torch.Tensor], found: torch.Tensor,
+                      found_per_loss: Sequence[torch.Tensor], groups,
+                      flags: torch.Tensor | None) -> None:
+    """`AmpOptimizer.unscale_` with several losses, each already unscaled after its
+    backward: checks again what the step will use (a gradient may have changed since its
+    backward, e.g. a manual all-reduce) and folds in every loss's flag, reduced over
+    ``groups``."""
+    coalesce_sparse_(owned)
+    check_(grads_of(owned), found, flags)
+    all_reduce_found_inf_(found, groups)
+    for f in found_per_loss:
+        all_reduce_found_inf_(f, groups)
+        torch.maximum(found, f, out=found)

@@ -24,13 +24,11 @@ from _mpfunc_common.scale_config import (
     to_float32,
 )
 from mpfunc_torch._src import fused
-from mpfunc_torch._src.scale_rule import check_config, scalar
+from mpfunc_torch._src.scale_rule import check_saved_state
 
 __all__ = ["LossScaler"]
 
 _INT32_MAX = 2**31 - 1
-_STATE_KEYS = ("kind", "loss_scale", "growth_tracker", "hysteresis_left", "skipped_steps",
-               "consecutive_skips", "last_finite", "config")
 
 
 def _is_power_of_two(x: float) -> bool:
@@ -366,61 +364,7 @@ class LossScaler:
     def check_state(self, state: Any, where: str = "state") -> dict[str, Any]:
         """Validates a `state_dict` (naming keys as ``where['key']``) and returns the
         values `load_state_dict` would write, changing nothing."""
-        if not isinstance(state, Mapping):
-            raise ValueError(f"`{where}` must be a dict from LossScaler.state_dict(), got "
-                             f"{type(state).__name__}.")
-        missing = [k for k in _STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"`{where}` (a loss-scaler state) is missing keys {missing}.")
-        if state["kind"] != self.kind:
-            raise ValueError(f"`{where}['kind']`: saved {state['kind']!r}, this scaler is "
-                             f"{self.kind!r}; a checkpoint loads into the same kind of scale.")
-        saved_cfg = check_config(state["config"], self.kind, f"{where}['config']")
-
-        def number(key, integer):
-            return scalar(state[key], f"{where}[{key!r}]", integer)
-
-        scale = number("loss_scale", False)
-        lo, hi = FLOAT32_MIN_NORMAL, FLOAT32_MAX
-        if saved_cfg is not None:
-            lo, hi = max(lo, saved_cfg["min_scale"]), min(hi, saved_cfg["max_scale"])
-        if not lo <= scale <= hi:
-            raise ValueError(f"`{where}['loss_scale']` must be a finite scale in [{lo!r}, "
-                             f"{hi!r}], got {scale!r}.")
-        interval = saved_cfg["growth_interval"] if saved_cfg else 1
-        hysteresis = saved_cfg["hysteresis"] if saved_cfg else 1
-        tracker = number("growth_tracker", True)
-        hyst_left = number("hysteresis_left", True)
-        skipped = number("skipped_steps", True)
-        consecutive = number("consecutive_skips", True)
-        for key, v, top in (("growth_tracker", tracker, interval - 1),
-                            ("hysteresis_left", hyst_left, hysteresis),
-                            ("skipped_steps", skipped, _INT32_MAX),
-                            ("consecutive_skips", consecutive, skipped)):
-            if not 0 <= v <= top:
-                raise ValueError(f"`{where}[{key!r}]` must be an int in [0, {top}], got {v!r}.")
-        last = state["last_finite"]
-        if isinstance(last, torch.Tensor) and last.dtype == torch.bool and last.numel() == 1:
-            last = bool(last)
-        if not isinstance(last, bool) or last != (consecutive == 0):
-            raise ValueError(f"`{where}['last_finite']` must be a bool, True exactly when "
-                             f"consecutive_skips is 0, got {state['last_finite']!r}.")
-        warm = number("warm_phase", True) if "warm_phase" in state else WARM_OFF
-        if not WARM_OFF <= warm <= WARM_UP or (
-                warm != WARM_OFF and not (saved_cfg or {}).get("warm_start", False)):
-            raise ValueError(f"`{where}['warm_phase']` must be an int in [{WARM_OFF}, "
-                             f"{WARM_UP}], and {WARM_OFF} unless the saved config has "
-                             f"warm_start=True, got {state['warm_phase']!r}.")
-        if self.kind == "dynamic":
-            c = self.config
-            scale = min(max(scale, c.min_scale), c.max_scale)
-            tracker, hyst_left = min(tracker, c.growth_interval - 1), min(hyst_left, c.hysteresis)
-            warm = warm if c.warm_start else WARM_OFF
-        else:
-            scale, tracker, hyst_left = self._static, 0, 1
-        return {"loss_scale": scale, "growth_tracker": tracker, "hysteresis_left": hyst_left,
-                "skipped_steps": skipped, "consecutive_skips": consecutive, "last_finite": last,
-                "warm_phase": warm}
+        return check_saved_state(state, self.kind, self.config, self._static, where)
 
     def _apply(self, values: dict[str, Any]) -> None:
         for key, dst in (("loss_scale", self._scale), ("growth_tracker", self._growth_tracker),

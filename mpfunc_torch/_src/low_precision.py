@@ -21,17 +21,15 @@ float32 masters, before its first step) to a `MasterStorage` (``"remainder"``,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mpfunc_torch._src.master_storage import MasterStorage, check_storage, raw
 from mpfunc_torch._src.master_weights import has_stepped, non_finite_names
+from mpfunc_torch._src.optimizer_parts import AmpOptimizerParts
 from mpfunc_torch._src.sharding import local
 from mpfunc_torch._src.state_dtype import StateDtype
-
-if TYPE_CHECKING:
-    from mpfunc_torch._src.optimizer import AmpOptimizer
 
 __all__ = ["LowPrecision", "use_low_precision", "low_precision_of", "persistent_bytes"]
 
@@ -167,7 +165,7 @@ class LowPrecision:
                                     for q in g["params"]])
 
 
-def persistent_bytes(opt: AmpOptimizer, model: torch.nn.Module | None = None) -> int:
+def persistent_bytes(opt: AmpOptimizerParts, model: torch.nn.Module | None = None) -> int:
     """Bytes held between steps by ``opt`` and the params it trains, counted from the
     buffers themselves (each storage once, this rank's shards): the model's params (all
     of ``model``'s if given), masters or placeholders, remainders or compensations,
@@ -187,7 +185,7 @@ def persistent_bytes(opt: AmpOptimizer, model: torch.nn.Module | None = None) ->
     return sum(v for (_, ptr, _), v in seen.items() if ptr) + (16 if lowp else 0)
 
 
-def use_low_precision(opt: AmpOptimizer, master_weights: str = "remainder",
+def use_low_precision(opt: AmpOptimizerParts, master_weights: str = "remainder",
                       state_dtype: Any = None, rounding: str = "nearest", *,
                       seed: int = 0, block: int = 256) -> LowPrecision:
     """Switches ``opt`` (an `AmpOptimizer` with bfloat16 params and float32 masters, or

@@ -29,7 +29,7 @@ from mpfunc_torch._src.autocast import (
     function_mode,
     mode_active,
 )
-from mpfunc_torch._src.sharding import cast_module_, is_dtensor
+from mpfunc_torch._src.sharding import cast_module_, is_dtensor, refuse_sharded_after_conversion
 
 __all__ = [
     "AmpModel",
@@ -38,8 +38,6 @@ __all__ = [
     "cast_floats",
     "is_norm_module",
     "refuse_converted_model",
-    "refuse_data_parallel_wrapper",
-    "refuse_sharded_after_conversion",
     "DTYPES",
     "HALF",
 ]
@@ -350,58 +348,6 @@ def _norm_post_hook(dtype):
         return cast_floats(output, dtype)
 
     return hook
-
-
-def _data_parallel_types() -> tuple[type, ...]:
-    if not torch.distributed.is_available():
-        return ()
-    from torch.distributed import fsdp
-    from torch.nn.parallel import DistributedDataParallel
-
-    # FSDP2 (fully_shard) is not here: its DTensor params are cast shard by shard (see
-    # sharding.check_fsdp_units for what it cannot take).
-    return (DistributedDataParallel, fsdp.FullyShardedDataParallel)
-
-
-def refuse_data_parallel_wrapper(model: nn.Module, plan: AmpPlan) -> None:
-    """Casting params after DDP/FSDP wrapped the model breaks their gradient hooks and
-    buckets silently (DDP stops averaging), so that order is an error."""
-    wrappers = _data_parallel_types()
-    mode = plan.mode + (f" {plan.opt_level}" if plan.opt_level else "")
-    for name, module in model.named_modules():
-        if not (wrappers and isinstance(module, wrappers)):
-            continue
-        where = f"`model.{name}`" if name else "`model`"
-        problem = (f"{where} is a {type(module).__name__}, and mode {mode!r} would cast its "
-                   f"params to {plan.cast_model_type} after it registered its gradient hooks")
-        if "DistributedDataParallel" in type(module).__name__:
-            raise ValueError(
-                f"{problem}, which silently stops gradient averaging. Convert first, then "
-                "wrap: `model, optimizer, criterion = convert_to_amp(net, optimizer, "
-                "criterion, ...)`, then `model = DistributedDataParallel(model)`."
-            )
-        raise ValueError(
-            f"{problem} and sharded them. FSDP keeps its own dtypes: give it a "
-            "MixedPrecisionPolicy (fully_shard(..., mp_policy=...)) or "
-            "FSDP(mixed_precision=...), or use a mode that keeps float32 params (torch, "
-            "bf16, apex O1)."
-        )
-
-
-def refuse_sharded_after_conversion(module: nn.Module, converted: list) -> None:
-    """``fully_shard`` (or ``parallelize_module``) after `convert_to_amp` replaces the
-    model's params with DTensors, and the optimizer would go on stepping the old ones
-    (silently training nothing). Say which order works."""
-    now = list(module.parameters())
-    if len(now) == len(converted) and all(p is q for p, q in zip(now, converted)):
-        return
-    if any(is_dtensor(p) and all(p is not q for q in converted) for p in now):
-        raise ValueError(
-            "the model's params were replaced by sharded DTensors (fully_shard or "
-            "parallelize_module) after convert_to_amp, so the optimizer would step the "
-            "old, unsharded ones. Shard first, then build the optimizer over the sharded "
-            "params, then convert: `fully_shard(net)`, `opt = torch.optim.AdamW("
-            "net.parameters())`, `model, opt, crit = convert_to_amp(net, opt, crit, ...)`.")
 
 
 def refuse_converted_model(model: nn.Module) -> None:

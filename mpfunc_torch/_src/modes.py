@@ -14,12 +14,12 @@ from torch import nn
 from _mpfunc_common.amp_config import check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
 from _mpfunc_common.storage import refuse_unwired_storage
-from mpfunc_torch._src import fused
 from mpfunc_torch._src.cast_ahead import cast_ahead_of, release_cast_ahead
-from mpfunc_torch._src.checkpoint_convert import guard_inner_load, refuse_optimizer_state
+from mpfunc_torch._src.checkpoint.convert import guard_inner_load, refuse_optimizer_state
+from mpfunc_torch._src.checkpoint.model_load import guard_model_loads
 from mpfunc_torch._src.chunked_step import check_step_chunks
 from mpfunc_torch._src.distributed import normalize_groups
-from mpfunc_torch._src.fp8_convert import convert_to_fp8
+from mpfunc_torch._src.fp8.convert import convert_to_fp8
 from mpfunc_torch._src.master_weights import (
     follow_model_loads,
     keep_half_masters,
@@ -34,11 +34,14 @@ from mpfunc_torch._src.model import (
     is_norm_module,
     params_cast,
     refuse_converted_model,
-    refuse_data_parallel_wrapper,
 )
-from mpfunc_torch._src.model_load import guard_model_loads
 from mpfunc_torch._src.optimizer import AmpOptimizer
-from mpfunc_torch._src.sharding import check_fsdp_units
+from mpfunc_torch._src.optimizer_checks import (
+    check_optimizer_params,
+    refuse_broken_fused_sgd,
+    refuse_vanishing_eps,
+)
+from mpfunc_torch._src.sharding import check_fsdp_units, refuse_data_parallel_wrapper
 from mpfunc_torch._src.skip_record import attach_model
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
@@ -76,58 +79,6 @@ def _device_of(model: nn.Module, requested: Any) -> torch.device:
         raise ValueError(f"`device={requested!r}` but the model's params are on {device}; "
                          f"move the model first (model.to({str(req)!r})).")
     return device
-
-
-def _check_optimizer_params(model: nn.Module, optimizers) -> None:
-    model_ids = {id(p) for p in model.parameters()}
-    if not any(id(p) in model_ids for opt in optimizers for g in opt.param_groups
-               for p in g["params"]):
-        raise ValueError(
-            "`optimizer` holds none of `model`'s parameters, so training would never change "
-            "the model. Build the optimizer over this model's parameters "
-            "(torch.optim.X(model.parameters(), ...)), or convert the model it belongs to.")
-
-
-def _refuse_broken_fused_sgd(optimizers, stepped) -> None:
-    """torch 2.11-2.13's fused SGD on CPU leaves float16/bfloat16 params unchanged but
-    for their last elements (2.14 fixed it). A half-precision mode would then train
-    nothing, silently, so that combination is refused where the installed torch has the
-    bug (`fused.fused_cpu_sgd_updates_half` asks it).
-    ``stepped``: id(param) -> the dtype the optimizer steps it in."""
-    for opt in optimizers:
-        if not (isinstance(opt, torch.optim.SGD) and opt.defaults.get("fused")):
-            continue
-        for g in opt.param_groups:
-            for p in g["params"]:
-                dtype = stepped[id(p)]
-                if dtype in HALF and p.device.type == "cpu" and \
-                        not fused.fused_cpu_sgd_updates_half(dtype):
-                    raise ValueError(
-                        f"`optimizer` is SGD(fused=True) stepping {dtype} params on CPU, "
-                        f"which torch {torch.__version__}'s fused CPU SGD kernel does not "
-                        "update (fixed in torch 2.14). Use fused=False, or a mode with "
-                        "float32 master weights (naive, apex O2).")
-
-
-def _refuse_vanishing_eps(optimizers, stepped) -> None:
-    """An optimizer stepping float16 params itself (apex O3: no master weights) computes
-    in float16, where an ``eps`` below 2**-25 is 0: every element whose gradient and
-    moments are 0 (an embedding row not in the batch) then becomes 0/0 = NaN in the
-    first step, a step whose gradients were finite. Refused, naming the value."""
-    for opt in optimizers:
-        for i, g in enumerate(opt.param_groups):
-            eps = g.get("eps")
-            if not isinstance(eps, float | int) or isinstance(eps, bool) or eps <= 0:
-                continue
-            if torch.tensor(float(eps), dtype=torch.float16).item() != 0:
-                continue
-            if any(stepped[id(p)] == torch.float16 for p in g["params"]):
-                raise ValueError(
-                    f"`optimizer` {type(opt).__name__} (param group {i}) has eps={eps!r}, "
-                    "which is 0 in float16, and steps float16 params itself (no master "
-                    "weights): an element with a zero gradient would become 0/0 = NaN in "
-                    "the first step. Pass eps >= 1e-4 (float16 training's usual value), or "
-                    "use a mode with float32 master weights (naive, apex O2).")
 
 
 def _check_fsdp_units(model: nn.Module, target: torch.dtype, keep_norm_fp32: bool,
@@ -339,7 +290,7 @@ def convert_to_amp(
         raise ValueError("`num_losses > 1` with several optimizers is not supported; use "
                          "one optimizer with per-loss scales, or one shared scale.")
     dev = _device_of(model, device)
-    _check_optimizer_params(model, optimizers)
+    check_optimizer_params(model, optimizers)
     groups = normalize_groups(process_group)
     amax_groups = _amax_groups(plan, groups, fp8_amax_group)
     ahead = cast_ahead_of(model, plan)  # a trainer cast it before wrapping it in DDP
@@ -373,8 +324,8 @@ def convert_to_amp(
         if not plan.master_weights:
             stepped.update((i, target) for i in params_cast(
                 model, plan.keep_norm_fp32, is_norm or is_norm_module) if i in stepped)
-    _refuse_broken_fused_sgd(optimizers, stepped)
-    _refuse_vanishing_eps(optimizers, stepped)
+    refuse_broken_fused_sgd(optimizers, stepped)
+    refuse_vanishing_eps(optimizers, stepped)
     if ahead is not None:
         ahead.float32_state_(optimizers)
     if plan.enabled and plan.cast_model_type is not None:

@@ -7,22 +7,19 @@ from typing import Any
 
 import torch
 
-from _mpfunc_common.amp_config import AmpPlan, check_bool
-from mpfunc_torch._src import checkpoint, fused
+from _mpfunc_common.amp_config import AmpPlan
+from mpfunc_torch._src import fused
+from mpfunc_torch._src.checkpoint import optimizer_state
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
     global_grad_norm,
 )
-from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.exact_skip import exact_step_
 from mpfunc_torch._src.grads import (
     add_back_unscaled_,
-    check_,
-    coalesce_sparse_,
-    grads_of,
-    inv_scale_or_none,
+    recheck_unscaled_,
     set_aside_,
-    unscale_checked_,
+    unscale_owned_,
     zero_grads_,
 )
 from mpfunc_torch._src.loss_scale import LossScaler
@@ -34,10 +31,10 @@ from mpfunc_torch._src.master_weights import (
     release_master_grads_,
     swap_in_masters_,
 )
-from mpfunc_torch._src.precision_report import optimizer_report
+from mpfunc_torch._src.optimizer_metrics import OptimizerMetrics
 from mpfunc_torch._src.sharding import mesh_groups
 from mpfunc_torch._src.shared_scale import SharedScale
-from mpfunc_torch._src.skip_record import new_step_flags, skip_names
+from mpfunc_torch._src.skip_record import new_step_flags
 from mpfunc_torch._src.wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["AmpOptimizer"]
@@ -48,7 +45,7 @@ _profile_hook_step = torch.optim.Optimizer.profile_hook_step
 _eager = fused.eager
 
 
-class AmpOptimizer(WrappedOptimizer):
+class AmpOptimizer(OptimizerMetrics, WrappedOptimizer):
     """The wrapped optimizer: loss scaling, exact skips, master weights, inf-check reduction.
 
     It keeps the torch optimizer interface (``param_groups``, ``state``, ``zero_grad``,
@@ -174,70 +171,6 @@ class AmpOptimizer(WrappedOptimizer):
         return f"AmpOptimizer({self.plan.describe()}, optimizer={self.optimizer!r})"
 
     # -- scaling -----------------------------------------------------------------------
-    def _scaler(self, loss_id: int) -> LossScaler:
-        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not (
-            0 <= loss_id < len(self._scalers)
-        ):
-            raise ValueError(
-                f"`loss_id` must be an int in [0, {len(self._scalers)}) (num_losses="
-                f"{len(self._scalers)}), got {loss_id!r}."
-            )
-        return self._scalers[loss_id]
-
-    @property
-    def loss_scale(self) -> torch.Tensor:
-        """The current loss scale (loss 0): a float32 0-dim device tensor."""
-        return self._scalers[0].scale
-
-    @property
-    def skipped_steps(self) -> torch.Tensor:
-        """Skipped steps so far: an int32 0-dim device tensor."""
-        return self._scalers[0].skipped_steps
-
-    def scale_metrics(self, as_python: bool = False, loss_id: int = 0, *,
-                      skip_leaves: bool = False) -> dict[str, Any]:
-        """``loss_scale``, ``skipped_steps``, ``consecutive_skips``, ``last_finite`` (and
-        ``num_zeros_in_grad`` when logged): device tensors, or Python numbers with
-        ``as_python=True``. With ``skip_leaves=True``, also ``skip_leaves``: the names of
-        the params whose gradient held an inf or NaN at the last skipped step (``[]``
-        before any skip), read from the device then."""
-        out = self._scaler(loss_id).metrics(as_python)
-        if self.num_zeros_in_grad is not None:
-            z = self.num_zeros_in_grad
-            out["num_zeros_in_grad"] = int(z) if as_python else z
-        if skip_leaves:
-            if self._fused and not self._record_skips_every_step:
-                raise ValueError(
-                    "`skip_leaves=True` with a fused optimizer needs "
-                    "`optimizer.record_skip_leaves()` before the steps: its kernel decides a "
-                    "skip on the device, so the record costs one check launch per gradient "
-                    "every step, and is off by default. `optimizer.precision_report()` "
-                    "names the non-finite params of the current step at any time.")
-            out["skip_leaves"] = skip_names(self)
-        return out
-
-    def record_skip_leaves(self, enabled: bool = True) -> None:
-        """Records which params make a step skip, for ``scale_metrics(skip_leaves=True)``,
-        with a fused optimizer (``fused=True``).
-
-        A non-fused optimizer's step already reads the overflow flag on the host, so
-        its record is taken on a skipped step only, for free, and is always on. A fused
-        optimizer decides the skip inside its kernel with no host read; recording there
-        runs the check once per gradient (one launch each, the same bytes) instead of
-        one multi-tensor launch, every step, so it is off until this is called.
-
-        Args:
-          enabled: True to record from the next step on; False to stop.
-        """
-        self._record_skips_every_step = check_bool("enabled", enabled)
-
-    @_eager
-    def precision_report(self, dtype: Any = None, *, process_group: Any = None):
-        """`mpfunc_torch.precision_report` of the gradients this step will use, at the
-        current scale, named as in the model; call it between `backward` and `step`
-        (see `optimizer_report`). ``dtype`` defaults to the mode's half dtype."""
-        return optimizer_report(self, dtype, process_group)
-
     @_eager
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0) -> torch.Tensor:
         """``loss`` in float32 times the current scale.
@@ -251,22 +184,11 @@ class AmpOptimizer(WrappedOptimizer):
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"`loss` must be a tensor, got {type(loss).__name__}.")
         scaler = self._scaler(loss_id)
-        # Every optimizer sharing this scale gets this backward's gradients: one of them
-        # already unscaled would add scaled gradients to unscaled ones, unchecked.
-        unscaled = [i for i, m in enumerate(self._shared.members) if m._stage == _UNSCALED]
-        if unscaled:
-            who = ("" if unscaled == [self._shared.members.index(self)] else
-                   f" (of the optimizers sharing this loss scale, number {unscaled[0]} "
-                   "in convert_to_amp's list)")
-            raise RuntimeError("backward()/scale_loss() after unscale_()/clip_grad_norm()"
-                               f"{who} and before step(): gradients of one step must share "
-                               "one scale.")
+        self._shared.check_none_unscaled(self)
         if len(self._scalers) > 1:
             self._finish_pending()
             self._pending = (loss_id, set_aside_(self._owned, self._sources))
-        for member in self._shared.members:  # one backward feeds every optimizer sharing
-            if member._stage == _READY:      # this scale (e.g. two models, two losses)
-                member._stage = _BACKWARD
+        self._shared.mark_backward()
         if not self._enabled or scaler.kind == "none":
             return loss
         return loss.float() * scaler.scale
@@ -336,21 +258,12 @@ class AmpOptimizer(WrappedOptimizer):
         found = self._found_inf
         found.zero_()
         if self._grads_unscaled:  # num_losses > 1: each backward already unscaled
-            # Re-check what step() will use: a gradient may have changed since its
-            # backward (e.g. a manual all-reduce).
-            coalesce_sparse_(self._owned)
-            check_(grads_of(self._owned), found, new_step_flags(self))
-            all_reduce_found_inf_(found, self._groups)
-            for f in self._found_inf_per_loss:
-                all_reduce_found_inf_(f, self._groups)
-                torch.maximum(found, f, out=found)
+            recheck_unscaled_(self._owned, found, self._found_inf_per_loss, self._groups,
+                              new_step_flags(self))
         else:
             copy_grads_to_masters_(self._copy_order)
-            coalesce_sparse_(self._owned)
-            scaler = self._scalers[0]
-            unscale_checked_(grads_of(self._owned), found, inv_scale_or_none(scaler),
-                             scaler.may_go_below_one, new_step_flags(self))
-            all_reduce_found_inf_(found, self._groups)
+            unscale_owned_(self._owned, found, self._scalers[0], self._groups,
+                           new_step_flags(self))
             self._found_inf_per_loss[0].copy_(found)
         self._stage = _UNSCALED
 
@@ -452,7 +365,7 @@ class AmpOptimizer(WrappedOptimizer):
         """
         def save():
             follow_model_writes_(self._pairs, self._versions)
-            return checkpoint.save(self)
+            return optimizer_state.save(self)
 
         return self._state_dict_with_hooks(save)
 
@@ -474,7 +387,7 @@ class AmpOptimizer(WrappedOptimizer):
         the loss scale and growth tracker (brought into this config's range).
         """
         def load(state_dict):
-            checkpoint.load(self, state_dict)
+            optimizer_state.load(self, state_dict)
             # in place: the model's load hooks hold this dict
             self._versions.update(model_versions(self._pairs))
             self._pending = None

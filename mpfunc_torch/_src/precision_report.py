@@ -26,9 +26,8 @@ from mpfunc_torch._src import fused
 from mpfunc_torch._src.distributed import host_values, normalize_groups
 from mpfunc_torch._src.nonfinite_watch import watch_of
 from mpfunc_torch._src.sharding import is_dtensor, local
-from mpfunc_torch._src.skip_record import current_grads, param_names
 
-__all__ = ["PrecisionReport", "precision_report", "optimizer_report"]
+__all__ = ["PrecisionReport", "precision_report"]
 
 
 class PrecisionReport:
@@ -374,46 +373,3 @@ def _match_grads(named, grads) -> list:
             raise ValueError(f"`grads` for {n!r} must be a tensor of the param's shape "
                              f"{tuple(p.shape)}, got {got}.")
     return chosen
-
-
-# -- the optimizer's side ---------------------------------------------------------------
-
-def optimizer_report(opt, dtype: Any = None, process_group: Any = None) -> PrecisionReport:
-    """`AmpOptimizer.precision_report`: the report of the gradients the step will use.
-
-    Before `unscale_` it reads the model's gradients, which still carry the scale; after
-    it, the unscaled ones (naive and apex O2's float32 master gradients); either way the
-    rows are those of the unscaled gradients at the current loss scale. Params are named
-    as in the converted model's ``named_parameters()``; a watched model adds
-    ``first_nonfinite_module``. ``dtype`` defaults to the mode's half dtype (float32
-    where nothing is cast); ``process_group`` as in `precision_report`.
-
-    Raises:
-      RuntimeError: before any ``backward``, or after ``step`` (the gradients were used,
-        and with master weights released).
-    """
-    if opt._stage == "ready":
-        raise RuntimeError("precision_report() reads the gradients of the current step: call "
-                           "it after backward() and before step() (after step() they were "
-                           "used, and with master weights released).")
-    plan = opt.plan
-    if dtype is None:
-        dtype = "float32" if not plan.enabled else "bfloat16" if plan.fp8_recipe is not None \
-            else (plan.cast_model_type or plan.autocast_dtype or "float32")
-    fmt = _format(dtype)
-    groups = normalize_groups(process_group)
-    opt._finish_pending()
-    grads = current_grads(opt)
-    keep = [i for i, g in enumerate(grads) if g is not None]
-    names = param_names(opt)
-    scaler = opt._scalers[0]
-    scale = scaler.scale if plan.enabled and scaler.kind != "none" else \
-        torch.ones((), dtype=torch.float32, device=opt._device)
-    prescaled = opt._stage == "backward" and not opt._grads_unscaled and \
-        plan.enabled and scaler.kind != "none"
-    model = opt._model_ref() if getattr(opt, "_model_ref", None) is not None else None
-    tensors = [grads[i] for i in keep]
-    return _report([names[i] for i in keep], [_dense(g) for g in tensors], tensors, scale,
-                   fmt, groups, prescaled, model)
-
-

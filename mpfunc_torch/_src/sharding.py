@@ -5,6 +5,8 @@ Params sharded by ``torch.distributed.fsdp.fully_shard`` or
 gradients. mpfunc works on each rank's local shard (one fused kernel, no hidden
 collective) and then reduces explicitly over every dimension of every device mesh the
 params live on, so that an overflow in one rank's shard makes every rank skip.
+`refuse_data_parallel_wrapper` and `refuse_sharded_after_conversion` say which order of
+converting and wrapping or sharding works when a model comes in the other one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from _mpfunc_common.amp_config import AmpPlan
+
 __all__ = [
     "is_dtensor",
     "local",
@@ -25,6 +29,8 @@ __all__ = [
     "fsdp_units",
     "check_fsdp_units",
     "local_bytes",
+    "refuse_data_parallel_wrapper",
+    "refuse_sharded_after_conversion",
 ]
 
 
@@ -147,3 +153,55 @@ def check_fsdp_units(model: nn.Module, dtype_of: Callable[[nn.Parameter], torch.
 def local_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of ``tensors`` held on this rank (local shards for DTensors)."""
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
+
+
+def _data_parallel_types() -> tuple[type, ...]:
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed import fsdp
+    from torch.nn.parallel import DistributedDataParallel
+
+    # FSDP2 (fully_shard) is not here: its DTensor params are cast shard by shard (see
+    # sharding.check_fsdp_units for what it cannot take).
+    return (DistributedDataParallel, fsdp.FullyShardedDataParallel)
+
+
+def refuse_data_parallel_wrapper(model: nn.Module, plan: AmpPlan) -> None:
+    """Casting params after DDP/FSDP wrapped the model breaks their gradient hooks and
+    buckets silently (DDP stops averaging), so that order is an error."""
+    wrappers = _data_parallel_types()
+    mode = plan.mode + (f" {plan.opt_level}" if plan.opt_level else "")
+    for name, module in model.named_modules():
+        if not (wrappers and isinstance(module, wrappers)):
+            continue
+        where = f"`model.{name}`" if name else "`model`"
+        problem = (f"{where} is a {type(module).__name__}, and mode {mode!r} would cast its "
+                   f"params to {plan.cast_model_type} after it registered its gradient hooks")
+        if "DistributedDataParallel" in type(module).__name__:
+            raise ValueError(
+                f"{problem}, which silently stops gradient averaging. Convert first, then "
+                "wrap: `model, optimizer, criterion = convert_to_amp(net, optimizer, "
+                "criterion, ...)`, then `model = DistributedDataParallel(model)`."
+            )
+        raise ValueError(
+            f"{problem} and sharded them. FSDP keeps its own dtypes: give it a "
+            "MixedPrecisionPolicy (fully_shard(..., mp_policy=...)) or "
+            "FSDP(mixed_precision=...), or use a mode that keeps float32 params (torch, "
+            "bf16, apex O1)."
+        )
+
+
+def refuse_sharded_after_conversion(module: nn.Module, converted: list) -> None:
+    """``fully_shard`` (or ``parallelize_module``) after `convert_to_amp` replaces the
+    model's params with DTensors, and the optimizer would go on stepping the old ones
+    (silently training nothing). Say which order works."""
+    now = list(module.parameters())
+    if len(now) == len(converted) and all(p is q for p, q in zip(now, converted)):
+        return
+    if any(is_dtensor(p) and all(p is not q for q in converted) for p in now):
+        raise ValueError(
+            "the model's params were replaced by sharded DTensors (fully_shard or "
+            "parallelize_module) after convert_to_amp, so the optimizer would step the "
+            "old, unsharded ones. Shard first, then build the optimizer over the sharded "
+            "params, then convert: `fully_shard(net)`, `opt = torch.optim.AdamW("
+            "net.parameters())`, `model, opt, crit = convert_to_amp(net, opt, crit, ...)`.")

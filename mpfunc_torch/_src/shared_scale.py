@@ -53,3 +53,23 @@ class SharedScale:
             return
         for scaler, found in zip(self.scalers, found_per_loss):
             scaler.update(found, step_found_inf=found_inf)
+
+    def check_none_unscaled(self, opt) -> None:
+        """Every optimizer sharing this scale gets a backward's gradients: one of them
+        already unscaled (``opt`` or another) would add scaled gradients to unscaled
+        ones, unchecked, so a backward then raises."""
+        unscaled = [i for i, m in enumerate(self.members) if m._stage == "unscaled"]
+        if unscaled:
+            who = ("" if unscaled == [self.members.index(opt)] else
+                   f" (of the optimizers sharing this loss scale, number {unscaled[0]} "
+                   "in convert_to_amp's list)")
+            raise RuntimeError("backward()/scale_loss() after unscale_()/clip_grad_norm()"
+                               f"{who} and before step(): gradients of one step must share "
+                               "one scale.")
+
+    def mark_backward(self) -> None:
+        """One backward feeds every optimizer sharing this scale (e.g. two models, two
+        losses): each one ready for a step now has gradients."""
+        for member in self.members:
+            if member._stage == "ready":
+                member._stage = "backward"

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from _mpfunc_common.suggest import did_you_mean
-from mpfunc_torch._src.fp8_quantize import dequantize_fp8, quantize_fp8
+from mpfunc_torch._src.fp8.quantize import dequantize_fp8, quantize_fp8
 from mpfunc_torch._src.rounding import bits_for, element_index, stochastic_round_
 from mpfunc_torch._src.sharding import is_dtensor, local
 

@@ -2,7 +2,7 @@
 
 torch's ``Module.load_state_dict`` copies every tensor that fits and raises afterwards
 for those that do not; `guard_model_loads` makes the converted model check the whole
-checkpoint first (`AmpOptimizer`'s own checkpoints: `mpfunc_torch._src.checkpoint`).
+checkpoint first (`AmpOptimizer`'s own checkpoints: `mpfunc_torch._src.checkpoint.optimizer_state`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """fp8 quantisation for JAX: the rule in `_mpfunc_common.fp8`, bit for bit with torch's.
 
 `quantize_fp8` / `dequantize_fp8` follow ``_mpfunc_common.fp8.QUANTIZE_RULE`` exactly, so
-they give the same bits as ``mpfunc_torch``'s (``mpfunc_torch/_src/fp8_quantize.py``).
-`mpfunc._src.fp8` builds the fp8 dot and delayed scaling on the helpers here.
+they give the same bits as ``mpfunc_torch``'s (``mpfunc_torch/_src/fp8/quantize.py``).
+`mpfunc._src.fp8.matmul` builds the fp8 dot and delayed scaling on the helpers here.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ Three custom ops (``torch.ops.mpfunc.*``) carry the quantisation of `Fp8Linear` 
 * ``fp8_quantize_blocks``: row or tile scales (rowwise, blockwise) and the cast.
 * ``fp8_record_amax``: delayed scaling's history and scale update, in place.
 
-On CUDA each is one Triton kernel (`mpfunc_torch._src.fp8_triton`), so a tensorwise
+On CUDA each is one Triton kernel (`mpfunc_torch._src.fp8.triton_kernels`), so a tensorwise
 operand is two kernels (torch's amax reduction, then the cast), a delayed one three (the
 history's max, the cast with the amax, the update) and a rowwise or blockwise one
-one. Elsewhere (CPU) each op runs the rule with torch ops (`fp8_quantize`'s helpers),
+one. Elsewhere (CPU) each op runs the rule with torch ops (`rule`),
 or the Triton kernels under Triton's interpreter (``TRITON_INTERPRET=1``). Both give
 the rule's bits (`_mpfunc_common.fp8.QUANTIZE_RULE`).
 
@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from mpfunc_torch._src.fp8_quantize import (
+from mpfunc_torch._src.fp8.rule import (
     _DTYPES,
     all_reduce_max,
     block_amax,
@@ -51,14 +51,14 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 @functools.cache
 def _import_kernels():
     try:
-        from mpfunc_torch._src import fp8_triton
+        from mpfunc_torch._src.fp8 import triton_kernels
     except ImportError:  # no Triton (CPU wheels of torch, Windows, macOS)
         return None
-    return fp8_triton
+    return triton_kernels
 
 
 def triton_kernels(x: torch.Tensor):
-    """`fp8_triton` if its kernels run on ``x``'s device (CUDA with Triton installed, or
+    """`triton_kernels` if its kernels run on ``x``'s device (CUDA with Triton installed, or
     CPU under Triton's interpreter), else None."""
     dev = x.device.type
     if dev != "cuda" and not (dev == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):

@@ -17,7 +17,7 @@ from torch import nn
 
 from _mpfunc_common.fp8 import Fp8Recipe, resolve_recipe
 from mpfunc_torch._src.distributed import normalize_groups
-from mpfunc_torch._src.fp8 import fp8_linear
+from mpfunc_torch._src.fp8.matmul import fp8_linear
 
 __all__ = ["Fp8Linear", "convert_to_fp8"]
 

@@ -24,7 +24,7 @@ import torch
 from _mpfunc_common.amp_config import resolve_amp
 from _mpfunc_common.mixed_precision import mode_and_config
 from _mpfunc_common.storage import refuse_unwired_storage
-from mpfunc_torch._src.checkpoint import FORMAT, FROM_MODEL
+from mpfunc_torch._src.checkpoint.optimizer_state import FORMAT, FROM_MODEL
 from mpfunc_torch._src.master_weights import has_stepped, non_finite_names
 
 __all__ = ["convert_checkpoint", "guard_inner_load", "refuse_optimizer_state"]

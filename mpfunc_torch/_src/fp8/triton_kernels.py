@@ -2,7 +2,7 @@
 
 Imported only where they run: CUDA tensors, or any tensor under Triton's interpreter
 (``TRITON_INTERPRET=1`` when this module is first imported; the tests use it on CPU).
-`mpfunc_torch._src.fp8_fused` calls them through its custom ops. Three kernels:
+`mpfunc_torch._src.fp8.fused` calls them through its custom ops. Three kernels:
 
 * `cast_per_tensor`: one pass over ``x`` (any strides) that computes the scale from a
   per-tensor amax (or takes it), casts, and writes the row-major fp8 copy and, if

@@ -2,8 +2,8 @@
 trainer is built, and the one `convert_to_amp` call that converts the model and its
 optimizers once, when the trainer has made them.
 
-Used by `mpfunc_torch.lightning.AmpPrecision` (``lightning_plugin.py``) and
-`mpfunc_torch.transformers.AmpTrainer` (``hf_trainer.py``).
+Used by `mpfunc_torch.lightning.AmpPrecision` (``lightning.py``) and
+`mpfunc_torch.transformers.AmpTrainer` (``huggingface.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The fp8 dot for JAX, with current or delayed scaling (the rule in `_mpfunc_common.fp8`).
 
-Quantisation itself is in `mpfunc._src.fp8_quantize`. `fp8_dot` is a dense layer's matmul with
+Quantisation itself is in `mpfunc._src.fp8.quantize`. `fp8_dot` is a dense layer's matmul with
 inputs and weights in the recipe's forward format and output gradients in its backward
 format (a ``custom_vjp``). Its three GEMMs are ``dot_general`` on the fp8 operands with a
 float32 result, scaled afterwards (`_gemm`): XLA:CPU runs them by upcasting the fp8
@@ -19,7 +19,7 @@ import numpy as np
 
 from _mpfunc_common.fp8 import Fp8Recipe, resolve_recipe
 from mpfunc._src.distributed import _varying_axes
-from mpfunc._src.fp8_quantize import (
+from mpfunc._src.fp8.quantize import (
     AxisName,
     block_amax,
     dequantize_fp8,

@@ -2,7 +2,7 @@
 
 Everything in a checkpoint is validated before anything is written, so a failed load
 leaves the optimizer, its loss scalers and its master weights exactly as they were. The
-converted model's own load is checked in `mpfunc_torch._src.model_load`.
+converted model's own load is checked in `mpfunc_torch._src.checkpoint.model_load`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import itertools
 import math
 import numbers
 from collections import OrderedDict, defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,17 +22,15 @@ from _mpfunc_common.scale_config import (
     as_python_number,
     to_float32,
 )
+from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.low_precision import low_precision_of
 from mpfunc_torch._src.master_weights import (
     check_saved_masters,
     copy_masters_to_model_,
     non_finite_names,
 )
+from mpfunc_torch._src.optimizer_parts import AmpOptimizerParts
 from mpfunc_torch._src.state_dtype import is_scale_key
-
-if TYPE_CHECKING:
-    from mpfunc_torch._src.loss_scale import LossScaler
-    from mpfunc_torch._src.optimizer import AmpOptimizer
 
 __all__ = ["FORMAT", "FROM_MODEL", "save", "check", "load", "master_names"]
 
@@ -60,7 +58,7 @@ _TORCH_OPTIM = _PARAM_SHAPED + ((_ADAFACTOR,) if _ADAFACTOR is not None else ())
 _IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
 
 
-def save(opt: AmpOptimizer) -> dict[str, Any]:
+def save(opt: AmpOptimizerParts) -> dict[str, Any]:
     lowp = low_precision_of(opt)
     stored = lowp is not None and lowp.storage is not None  # no float32 masters to save
     out = {
@@ -80,7 +78,7 @@ def save(opt: AmpOptimizer) -> dict[str, Any]:
     return out
 
 
-def master_names(opt: AmpOptimizer) -> list[list[str]] | None:
+def master_names(opt: AmpOptimizerParts) -> list[list[str]] | None:
     ref = getattr(opt, "_model_ref", None)
     model = ref() if ref is not None else None
     if not opt._pairs or model is None:
@@ -91,7 +89,7 @@ def master_names(opt: AmpOptimizer) -> list[list[str]] | None:
     return [names.get(id(p), []) for p, _ in opt._pairs]
 
 
-def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, dict, Any]:
+def check(opt: AmpOptimizerParts, state_dict: dict[str, Any]) -> tuple[list, list, dict, Any]:
     """Every check of `load`, changing nothing; returns the scaler values, the masters,
     the inner state_dict to load (with this optimizer's implementation flags) and the
     `LowPrecision` values (or None)."""
@@ -124,7 +122,7 @@ def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, di
     return values, masters, inner, low
 
 
-def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
+def load(opt: AmpOptimizerParts, state_dict: dict[str, Any]) -> None:
     if isinstance(state_dict, dict) and set(state_dict) == {"state", "param_groups"}:
         # A plain torch run's optimizer.state_dict(), moving to mpfunc_torch: the inner
         # optimizer's part only (its params are in the same order, masters in place of

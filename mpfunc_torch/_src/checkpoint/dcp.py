@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mpfunc_torch._src import checkpoint
+from mpfunc_torch._src.checkpoint import optimizer_state
 
 __all__ = ["get_state_dict", "set_state_dict", "MASTER_KEY", "MPFUNC_KEY"]
 
@@ -226,7 +226,7 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
     converted = [_to_amp_state_dict(v, own) for v in views]
     for o, sd in zip(opts, converted):
         try:
-            checkpoint.check(o, sd)
+            optimizer_state.check(o, sd)
         except ValueError as e:
             raise ValueError(f"`optim_state_dict`, checked as the AmpOptimizer.state_dict it "
                              f"converts to (params numbered in the optimizer's order): {e}"

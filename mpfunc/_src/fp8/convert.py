@@ -4,7 +4,7 @@ The JAX mirror of ``mpfunc_torch.convert_to_fp8``. A function is traced and its 
 re-evaluated op by op (as `mpfunc.autocast` does); every ``dot_general`` that multiplies
 an activation by a *parameter* (a leaf of the first argument, possibly transposed,
 reshaped or cast on the way, or one layer of a stacked leaf: ``w[i]``, or a ``scan``'s
-slice, see `fp8_stacked`) with one contraction dimension and no batch dimensions
+slice, see `stacked`) with one contraction dimension and no batch dimensions
 becomes an `mpfunc.fp8_dot`. Attention's activation-by-activation products, norms,
 softmax and everything else run as written (or under autocast's rules in the fp8 AMP
 mode).
@@ -23,9 +23,9 @@ import numpy as np
 from _mpfunc_common.fp8 import resolve_recipe
 from mpfunc._src.autocast import AutocastLists, _Rules
 from mpfunc._src.distributed import check_axis_name
-from mpfunc._src.fp8 import Fp8DotState, fp8_dot, fp8_dot_state
-from mpfunc._src.fp8_quantize import AxisName
-from mpfunc._src.fp8_stacked import (
+from mpfunc._src.fp8.matmul import Fp8DotState, fp8_dot, fp8_dot_state
+from mpfunc._src.fp8.quantize import AxisName
+from mpfunc._src.fp8.stacked import (
     Level,
     Sites,
     TopLevel,
@@ -45,7 +45,7 @@ _REMAT = frozenset({"remat2", "checkpoint", "remat"})
 
 class _Fp8Rewriter(_Rules):
     """Evaluates a jaxpr (the `rewrite.Rewriter` engine), turning dense dots into fp8
-    dots. A variable's tag is the `View` of the parameter it shows (`fp8_stacked`).
+    dots. A variable's tag is the `View` of the parameter it shows (`stacked`).
     Every other op runs under autocast's rules (the AMP mode, ``compute_dtype`` given)
     or as written.
     """

@@ -25,7 +25,7 @@ from typing import Any
 from _mpfunc_common.extras import missing_extra_error
 from mpfunc_torch._src.autocast import step_context
 from mpfunc_torch._src.optimizer import AmpOptimizer
-from mpfunc_torch._src.trainer_amp import TrainerAmp
+from mpfunc_torch._src.trainers.trainer_amp import TrainerAmp
 
 try:
     import transformers

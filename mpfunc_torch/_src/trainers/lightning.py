@@ -23,7 +23,7 @@ from mpfunc_torch._src.autocast import step_context
 from mpfunc_torch._src.cast_ahead import cast_ahead, cast_ahead_of, sync_cast_ahead_
 from mpfunc_torch._src.model import DTYPES, cast_floats
 from mpfunc_torch._src.optimizer import AmpOptimizer
-from mpfunc_torch._src.trainer_amp import TrainerAmp
+from mpfunc_torch._src.trainers.trainer_amp import TrainerAmp
 
 __all__ = ["AmpPrecision"]
 

@@ -1,8 +1,8 @@
 """The fp8 linear for PyTorch, with current or delayed scaling (the rule in
 `_mpfunc_common.fp8`).
 
-Quantisation itself is in `mpfunc_torch._src.fp8_fused` (eager: custom ops, Triton
-kernels on CUDA) on `mpfunc_torch._src.fp8_quantize`'s rule. `fp8_linear` is an
+Quantisation itself is in `mpfunc_torch._src.fp8.fused` (eager: custom ops, Triton
+kernels on CUDA) on `mpfunc_torch._src.fp8.quantize`'s rule. `fp8_linear` is an
 ``autograd.Function``: inputs and weights in the recipe's forward format, output
 gradients in its backward format. Per tensor (tensorwise, delayed) each operand is read
 once for its amax and once by the cast, which also writes the transposed fp8 copy the
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from _mpfunc_common.fp8 import Fp8Recipe
-from mpfunc_torch._src.fp8_fused import cast_current, cast_delayed, quantize_blocks
-from mpfunc_torch._src.fp8_quantize import dequantize_fp8
+from mpfunc_torch._src.fp8.fused import cast_current, cast_delayed, quantize_blocks
+from mpfunc_torch._src.fp8.quantize import dequantize_fp8
 from mpfunc_torch._src.fused import scaled_mm, scaled_mm_available, scaled_mm_fits
 
 __all__ = ["fp8_linear"]

@@ -1,0 +1,1 @@
+"""Checkpoints for JAX: `convert_checkpoint` (`convert`)."""
