@@ -520,6 +520,19 @@ def test_ddp_casts_before_the_wrap_on_one_gloo_rank(mode, gloo_world, launcher_e
     assert same(ddp["around"]["before"], ddp["around"]["after"])
 
 
+def test_ddp_casts_bf16_params_without_float32_masters_ahead(gloo_world, launcher_env):
+    # As above, with bf16's remainders: the cast before DDP's wrap keeps the float32
+    # values, from which the remainders start, so the run is the single-device one's.
+    ddp = run("bf16-remainder", "ddp", devices=1, plant=(0, 2), use_distributed_sampler=False)
+    single = run("bf16-remainder", "auto", devices=1, plant=(0, 2))
+    assert ddp["wrapped"] == "DistributedDataParallel"
+    assert ddp["params"]["model.decoder.weight"].dtype == torch.bfloat16
+    assert same(ddp["params"], single["params"]) and ddp["losses"] == single["losses"]
+    assert ddp["metrics"]["skipped_steps"] == 1
+    before, after = ddp["around"]["before"], ddp["around"]["after"]
+    assert same(before["model"], after["model"]) and same(before["state"], after["state"])
+
+
 def launch_example(out: Path, strategy: str, modes: list[str]) -> dict:
     """Runs tests/lightning_example.py with ``strategy`` on 2 CPU processes; returns each
     mode's two ranks' results."""
