@@ -130,12 +130,10 @@ def test_bf16_autocast_with_bfloat16_state_keeps_float32_params():
 
 
 def test_booster_spelling_is_the_same_mode():
-    from _mpfunc_common.mixed_precision import BF16MixedPrecision
-
     a, b = net(), net()
     _, oa, _ = mpfunc_torch.convert_to_amp(
         a, torch.optim.SGD(a.parameters(), lr=0.1),
-        mixed_precision=BF16MixedPrecision(master_weights="remainder"))
+        mixed_precision=mpfunc_torch.BF16MixedPrecision(master_weights="remainder"))
     _, ob, _ = mpfunc_torch.convert_to_amp(b, torch.optim.SGD(b.parameters(), lr=0.1),
                                            mode="bf16", master_weights="remainder")
     for g in fixed_grads(3):
