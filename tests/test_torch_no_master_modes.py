@@ -58,10 +58,11 @@ def test_forward_outputs_and_losses_are_float32():
     lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
 ], ids=["adamw", "sgd-momentum"])
-def test_remainder_follows_float32_masters_bit_for_bit(make):
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_remainder_follows_float32_masters_bit_for_bit(make, chunks):
     grads = fixed_grads(30)
     ref_model, ref = converted("float32", make)
-    model, opt = converted("remainder", make)
+    model, opt = converted("remainder", make, step_chunks=chunks)
     for g in grads:
         step_with(ref, list(ref_model.parameters()), g)
         step_with(opt, list(model.parameters()), g)
