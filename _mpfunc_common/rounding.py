@@ -139,7 +139,12 @@ def stochastic_round_bf16(x, rand) -> np.ndarray:
 def round_nearest_bf16(x) -> np.ndarray:
     """float32 -> bfloat16 bit patterns (uint16), round to nearest, ties to even.
 
-    What ``x.astype(bfloat16)`` does in both frameworks; written here as the reference.
+    What ``x.astype(bfloat16)`` does in both frameworks on every non-NaN value; written
+    here as the reference. A NaN becomes a quiet NaN with its sign and top payload bits
+    (as in `stochastic_round_bf16`; `mpfunc._src.rounding.rne_bf16_pattern` does the
+    same). The frameworks' own casts keep a NaN a NaN but not its bits (measured on CPU,
+    torch 2.13 and jax 0.10.2): torch's ``.to(torch.bfloat16)`` gives ``0xFFFF`` for every
+    NaN; JAX's ``astype`` gives ``0x7FC0`` / ``0xFFC0`` (sign kept, payload dropped).
     """
     b = f32_bits(x).astype(np.uint64)
     lsb = (b >> np.uint64(16)) & np.uint64(1)

@@ -34,7 +34,8 @@ MODES = {"naive": ("naive", {"initial_scale": 2.0**8}),
          "O1": ("apex", {"opt_level": "O1", "verbosity": 0, "loss_scale": 2.0**8}),
          "O2": ("apex", {"opt_level": "O2", "verbosity": 0, "max_loss_scale": 2.0**8}),
          "O3": ("apex", {"opt_level": "O3", "verbosity": 0}),
-         "torch": ("torch", {"init_scale": 2.0**8})}
+         "torch": ("torch", {"init_scale": 2.0**8}),
+         "bf16-remainder": ("bf16", {"master_weights": "remainder"})}
 
 
 class LanguageModel(L.LightningModule):

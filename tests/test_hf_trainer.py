@@ -122,6 +122,25 @@ def test_every_mode_trains_skips_a_planted_inf_and_resumes_exactly(mode, cfg, tm
     assert int(scaler["scalers"][0]["skipped_steps"]) == 1
 
 
+def test_bf16_without_float32_masters_trains_bf16_params_and_resumes_exactly(tmp_path):
+    cfg = {"master_weights": "remainder", "state_dtype": "bfloat16", "seed": 3}
+    trainer = AmpTrainer(model=gpt2(), args=args(tmp_path, max_steps=4, save_strategy="steps",
+                                                  save_steps=2),
+                         train_dataset=Tokens(), callbacks=[Watch(plant_at=3)],
+                         amp_mode="bf16", amp_config=cfg)
+    trainer.train()
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert history(trainer, "skipped_steps") == [0, 0, 0, 1]  # the planted inf
+    saved = trainer.amp_optimizer.state_dict()
+    assert saved["low_precision"]["storage"] == "remainder" and saved["low_precision"]["step"] == 3
+    resumed = AmpTrainer(model=gpt2(seed=1), args=args(tmp_path, max_steps=4),
+                         train_dataset=Tokens(), callbacks=[Watch(plant_at=3)],
+                         amp_mode="bf16", amp_config=cfg)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert same(resumed.model.state_dict(), trainer.model.state_dict())
+    assert same(resumed.amp_optimizer.state_dict(), saved)  # remainders, state, counters
+
+
 def one_step(tmp_path, mode, cfg, **kw):
     """One SGD(lr=1) step: the change of what the optimizer owns (minus the clipped,
     unscaled gradient), and the grad_norm the Trainer logged."""

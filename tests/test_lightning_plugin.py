@@ -166,6 +166,31 @@ def test_every_mode_trains_skips_a_planted_inf_and_resumes_exactly(mode, cfg, tm
     assert resumed_plugin.scale_metrics(as_python=True)["skipped_steps"] == 1
 
 
+def test_bf16_without_float32_masters_trains_bf16_params_and_resumes_exactly(tmp_path):
+    Net, _ = classes("pytorch_lightning")
+    L = package("pytorch_lightning")
+    cfg = {"master_weights": "remainder", "state_dtype": "bfloat16", "seed": 3}
+
+    def fit(ckpt_path=None):
+        plugin, net = AmpPrecision("bf16", **cfg), Net(plant_at=4)
+        with warnings.catch_warnings():  # the folder holds the checkpoint resumed from
+            warnings.filterwarnings("ignore", "Checkpoint directory .* exists", UserWarning)
+            trainer(max_steps=6, plugins=[plugin], enable_checkpointing=True,
+                    callbacks=[L.callbacks.ModelCheckpoint(
+                        dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)],
+                    ).fit(net, loader(), ckpt_path=ckpt_path)
+        return plugin, net
+
+    plugin, net = fit()
+    assert {p.dtype for p in net.parameters()} == {torch.bfloat16}
+    assert plugin.scale_metrics(as_python=True)["skipped_steps"] == 1  # the planted inf
+    saved = plugin.optimizers[0].state_dict()
+    assert saved["low_precision"]["storage"] == "remainder" and saved["low_precision"]["step"] == 5
+    resumed_plugin, resumed = fit(next(tmp_path.glob("*step=3.ckpt")))  # end of epoch 0
+    assert same(resumed.state_dict(), net.state_dict())
+    assert same(resumed_plugin.optimizers[0].state_dict(), saved)  # remainders, state
+
+
 def test_the_lightning_package_takes_the_same_class(tmp_path):
     if importlib.util.find_spec("lightning") is None:
         pytest.skip("the `lightning` package is not installed")
@@ -493,6 +518,19 @@ def test_ddp_casts_before_the_wrap_on_one_gloo_rank(mode, gloo_world, launcher_e
     assert same(ddp["params"], single["params"]) and same(ddp["owned"], single["owned"])
     assert ddp["metrics"]["skipped_steps"] == 1
     assert same(ddp["around"]["before"], ddp["around"]["after"])
+
+
+def test_ddp_casts_bf16_params_without_float32_masters_ahead(gloo_world, launcher_env):
+    # As above, with bf16's remainders: the cast before DDP's wrap keeps the float32
+    # values, from which the remainders start, so the run is the single-device one's.
+    ddp = run("bf16-remainder", "ddp", devices=1, plant=(0, 2), use_distributed_sampler=False)
+    single = run("bf16-remainder", "auto", devices=1, plant=(0, 2))
+    assert ddp["wrapped"] == "DistributedDataParallel"
+    assert ddp["params"]["model.decoder.weight"].dtype == torch.bfloat16
+    assert same(ddp["params"], single["params"]) and ddp["losses"] == single["losses"]
+    assert ddp["metrics"]["skipped_steps"] == 1
+    before, after = ddp["around"]["before"], ddp["around"]["after"]
+    assert same(before["model"], after["model"]) and same(before["state"], after["state"])
 
 
 def launch_example(out: Path, strategy: str, modes: list[str]) -> dict:

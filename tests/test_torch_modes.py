@@ -223,12 +223,13 @@ class TestErrors:
                                              "\\['master_weights', 'seed', 'state_dtype'"):
             self.convert("bf16", init_scale=2.0)
 
-    def test_bf16_storage_keys_are_refused_until_wired(self):
-        # Validated in the shared table, and never silently ignored by the torch side.
-        for cfg in [dict(master_weights="remainder"), dict(state_dtype="bfloat16")]:
-            with pytest.raises(ValueError, match="mpfunc_torch.convert_to_amp does not "
-                                                 "support mode 'bf16' with"):
-                self.convert("bf16", **cfg)
+    def test_bf16_storage_keys_are_validated_and_8bit_stochastic_refused(self):
+        # Validated in the shared table; what torch does not implement (8-bit state
+        # rounded stochastically) is refused, never silently done otherwise.
+        model, _, _ = self.convert("bf16", master_weights="remainder")
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        with pytest.raises(ValueError, match="quantises 8-bit state to nearest only"):
+            self.convert("bf16", state_dtype="float8_e5m2")
         with pytest.raises(ValueError, match="did you mean `kahan`"):
             self.convert("bf16", master_weights="kahn")
 

@@ -132,15 +132,16 @@ class Fp32Functions(TorchFunctionMode):
 def function_mode(plan) -> str | None:
     """The function mode a converted forward runs under: ``"o1"`` (apex O1's fp32 list
     on top of autocast), ``"half"`` (`HalfModelFp32Functions`: the half-precision
-    models with float32 master weights, naive and apex O2), ``"half-pure"``
-    (`HalfModelFunctions` only: any other mode with half params, such as apex O3, which
+    models with master weights: naive, apex O2, bf16 with ``master_weights``),
+    ``"half-pure"`` (`HalfModelFunctions` only: any other mode with half params, such as apex O3, which
     stays pure float16) or None."""
     if not plan.enabled:
         return None
     if plan.apex_fp32_functions and plan.autocast_dtype is not None:
         return "o1"
     if plan.cast_model_type in ("float16", "bfloat16") and plan.autocast_dtype is None:
-        return "half" if plan.master_weights else "half-pure"
+        masters = plan.master_weights or plan.master_storage not in (None, "float32")
+        return "half" if masters else "half-pure"
     return None
 
 

@@ -13,7 +13,6 @@ from torch import nn
 
 from _mpfunc_common.amp_config import check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import MixedPrecisionConfig, mode_and_config
-from _mpfunc_common.storage import refuse_unwired_storage
 from mpfunc_torch._src.cast_ahead import cast_ahead_of, release_cast_ahead
 from mpfunc_torch._src.checkpoint.convert import guard_inner_load, refuse_optimizer_state
 from mpfunc_torch._src.checkpoint.model_load import guard_model_loads
@@ -43,6 +42,7 @@ from mpfunc_torch._src.optimizer_checks import (
 )
 from mpfunc_torch._src.sharding import check_fsdp_units, refuse_data_parallel_wrapper
 from mpfunc_torch._src.skip_record import attach_model
+from mpfunc_torch._src.storage_mode import apply_storage, check_storage_plan, keeps_masters
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
 _LOG = logging.getLogger(__name__)  # what a conversion resolved to, at INFO level
@@ -163,7 +163,9 @@ def convert_to_amp(
             backoff_factor, growth_interval, hysteresis, max_scale, clip_grad, verbose,
             warm_start.
     bf16    ``torch.autocast`` to bfloat16, no loss scaling (non-finite steps are still
-            skipped).
+            skipped). Keys: master_weights (bfloat16 params, all, whose exact values are
+            kept as "float32" masters, "remainder", "kahan" or "stochastic"; see
+            ``docs/no-master-weights.md``), state_dtype, state_rounding, seed.
     fp8     bf16, with every ``nn.Linear`` swapped for an `Fp8Linear` (see
             `convert_to_fp8`): its three matmuls run in fp8 with ``recipe`` (a preset
             name or an `Fp8Recipe`; default ``"tensorwise"``). Key: recipe.
@@ -274,7 +276,7 @@ def convert_to_amp(
                 "optimizer's step() takes none: it checks the gradients of the backward "
                 "before it. Use an optimizer whose closure is optional.")
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
-    refuse_unwired_storage(plan, "mpfunc_torch.convert_to_amp")
+    check_storage_plan(plan)
     refuse_converted_model(model)
     if is_norm is not None:
         if not callable(is_norm):
@@ -319,9 +321,9 @@ def convert_to_amp(
         if target in HALF and ahead is None:
             refuse_data_parallel_wrapper(model, plan)
         _check_fsdp_units(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
-        if plan.master_weights:
+        if keeps_masters(plan):
             refuse_optimizer_state(optimizers)
-        if not plan.master_weights:
+        if not keeps_masters(plan):
             stepped.update((i, target) for i in params_cast(
                 model, plan.keep_norm_fp32, is_norm or is_norm_module) if i in stepped)
     refuse_broken_fused_sgd(optimizers, stepped)
@@ -329,7 +331,7 @@ def convert_to_amp(
     if ahead is not None:
         ahead.float32_state_(optimizers)
     if plan.enabled and plan.cast_model_type is not None:
-        if plan.master_weights:
+        if keeps_masters(plan):
             masters = make_masters(optimizers, None if ahead is None else ahead.float32_value)
         if ahead is None:
             cast_model(model, target, plan.keep_norm_fp32, is_norm or is_norm_module)
@@ -350,6 +352,7 @@ def convert_to_amp(
                      shared=shared, step_chunks=step_chunks)
         for opt in optimizers[1:]
     ]
+    apply_storage(plan, amp_opts)  # bf16's master_weights / state_dtype
     guard_inner_load(optimizers)  # our format, loaded into the optimizers we wrapped
     amp_model._load_guards = guard_model_loads(model)  # before the masters' load hooks
     attach_model(amp_opts, model)  # names for precision_report and skip_leaves
