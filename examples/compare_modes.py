@@ -73,6 +73,10 @@ MODES = {
     "apex-O2": ("apex", {"opt_level": "O2", "verbosity": 0}),
     "naive": ("naive", {}),
     "bf16": ("bf16", {}),
+    # bfloat16 params without float32 masters (bfloat16 Adam moments): the exact
+    # remainder (8 bytes a param) and stochastic rounding (6 bytes a param).
+    "bf16-remainder": ("bf16", {"master_weights": "remainder", "state_dtype": "bfloat16"}),
+    "bf16-stochastic": ("bf16", {"master_weights": "stochastic", "state_dtype": "bfloat16"}),
     "fp8": ("fp8", {}),
 }
 DEFAULT_MODES = ["torch", "apex-O1", "apex-O2", "naive", "bf16", "fp8"]
