@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +79,8 @@ def _scale_transform(
     # At a scale >= 1 unscaling multiplies by at most 1: it can neither make a finite
     # gradient non-finite nor the reverse. Below 1 it can overflow, so the check must
     # see the unscaled values (as torch's GradScaler does; mpfunc_torch does the same).
-    below_one = cfg.may_go_below_one if cfg is not None else static_value < 1.0
+    below_one = (cfg.may_go_below_one if cfg is not None
+                 else static_value is not None and static_value < 1.0)
 
     def init_fn(params):
         # One array per leaf: leaves sharing a buffer cannot all be donated to a step.
@@ -169,9 +170,12 @@ def _scale_transform(
         )
 
     # Lets `mpfunc.chain` turn a chain-form link into the wrapper form.
-    init_fn._mpfunc_rewrap = rewrap  # type: ignore[attr-defined]
-    init_fn._mpfunc_has_inner = inner is not None  # type: ignore[attr-defined]
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    init_fn._mpfunc_rewrap = rewrap
+    init_fn._mpfunc_has_inner = inner is not None
+    # optax types a state as a chex `ArrayTree`, which leaves out None (an empty pytree
+    # node, which optax handles): this state holds None where a feature is off.
+    return optax.GradientTransformationExtraArgs(
+        cast(optax.TransformInitFn, init_fn), cast(optax.TransformUpdateExtraArgsFn, update_fn))
 
 
 def dynamic_scale(
@@ -439,12 +443,13 @@ def chain(*links: Any) -> optax.GradientTransformationExtraArgs:
                 f"`links[{i}]` is a loss-scale link; it must come first, or the links "
                 "before it see scaled gradients."
             )
-    if links and hasattr(links[0].init, "_mpfunc_rewrap"):
-        if links[0].init._mpfunc_has_inner:
+    rewrap = getattr(links[0].init, "_mpfunc_rewrap", None) if links else None
+    if rewrap is not None:
+        if getattr(links[0].init, "_mpfunc_has_inner", False):
             raise ValueError(
                 "`links[0]` already wraps an inner transformation; pass the rest of the "
                 "chain to it, or use the chain form dynamic_scale() as the first link."
             )
         rest = optax.chain(*links[1:]) if len(links) > 1 else optax.identity()
-        return links[0].init._mpfunc_rewrap(rest)
+        return rewrap(rest)
     return optax.chain(*links)
