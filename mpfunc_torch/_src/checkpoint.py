@@ -162,7 +162,7 @@ def grad_scaler_values(scaler: LossScaler, state: dict[str, Any], where: str) ->
     (below this ``growth_interval``), a full hysteresis, no warm start (the run is past
     its start); skip counters stay as they are.
     GradScaler's hyperparameters are checked but not taken, as in its own load."""
-    if scaler.kind != "dynamic":
+    if (c := scaler.config) is None:  # a scale that is not dynamic
         raise ValueError(f"`{where}` is a torch.amp.GradScaler state; it loads into a dynamic "
                          f"loss scale, and this optimizer's scale is {scaler.kind}.")
     missing = [k for k in _GRAD_SCALER_KEYS if k not in state]
@@ -188,7 +188,6 @@ def grad_scaler_values(scaler: LossScaler, state: dict[str, Any], where: str) ->
     if not 0 <= got["_growth_tracker"] < interval:
         raise ValueError(f"`{where}['_growth_tracker']` must be an int in [0, {interval - 1}], "
                          f"got {got['_growth_tracker']!r}.")
-    c = scaler.config
     values = scaler.check_state(scaler.state_dict())
     values.update(loss_scale=min(max(scale, c.min_scale), c.max_scale),
                   growth_tracker=min(got["_growth_tracker"], c.growth_interval - 1),
