@@ -151,7 +151,7 @@ def _make_master_grads_(chunk: Pairs, inv_scale: torch.Tensor | None,
     for _, m in chunk:
         m.grad = torch.empty_like(m)
     if chunk:
-        torch._foreach_copy_([local(m.grad) for _, m in chunk],
+        torch._foreach_copy_([local(m.grad) for _, m in chunk],  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
                              [local(p.grad) for p, _ in chunk])
     if inv_scale is not None and chunk:
         fused.unscale_and_check_([local(m.grad) for _, m in chunk], found_inf, inv_scale)

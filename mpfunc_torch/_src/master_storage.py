@@ -157,7 +157,7 @@ class MasterStorage:
         if self.kind == "remainder":
             foreach_join_remainder_(works, ps, [raw(self.extra[i]) for i in idx])
         elif works:
-            torch._foreach_copy_(works, ps)
+            torch._foreach_copy_(works, ps)  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
 
     @torch.no_grad()
     def end_(self, idx: Sequence[int], step: int) -> None:
