@@ -345,7 +345,8 @@ def checkpoint_context_fn(model: torch.nn.Module) -> Callable[[], tuple[Any, Any
                         f"{type(module).__name__}.")
     kind = forward.function_mode if isinstance(forward, _AmpForward) else None
     return functools.partial(_checkpoint_contexts, kind,
-                             forward.device_type if kind == "o1" else None)
+                             forward.device_type
+                             if isinstance(forward, _AmpForward) and kind == "o1" else None)
 
 
 def _checkpoint_contexts(kind: str | None, device_type: str | None) -> tuple[Any, Any]:
@@ -355,7 +356,7 @@ def _checkpoint_contexts(kind: str | None, device_type: str | None) -> tuple[Any
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         return create_selective_checkpoint_contexts(_recompute_all)
-    if kind == "o1":
+    if kind == "o1" and device_type is not None:  # o1 comes with its device type
         recompute = Fp32Functions(device_type)
     elif kind == "half":
         recompute = HalfModelFp32Functions()

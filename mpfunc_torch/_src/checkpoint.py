@@ -91,7 +91,8 @@ def master_names(opt: AmpOptimizer) -> list[list[str]] | None:
     return [names.get(id(p), []) for p, _ in opt._pairs]
 
 
-def check(opt: AmpOptimizer, state_dict: dict[str, Any]) -> tuple[list, list, dict, Any]:
+def check(opt: AmpOptimizer,
+          state_dict: dict[str, Any]) -> tuple[list | None, list | None, dict, Any]:
     """Every check of `load`, changing nothing; returns the scaler values, the masters,
     the inner state_dict to load (with this optimizer's implementation flags) and the
     `LowPrecision` values (or None)."""
@@ -132,8 +133,8 @@ def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
         _check_inner_state(state_dict, "state_dict")
         opt.optimizer.load_state_dict(_check_inner_fits(opt.optimizer, state_dict,
                                                         "state_dict"))
-        if low_precision_of(opt) is not None:
-            low_precision_of(opt).after_inner_load_()
+        if (lp := low_precision_of(opt)) is not None:
+            lp.after_inner_load_()
         return
     if isinstance(state_dict, dict) and "_growth_tracker" in state_dict:
         # ... and its GradScaler's state_dict(): the scale and growth tracker continue.
@@ -144,9 +145,9 @@ def load(opt: AmpOptimizer, state_dict: dict[str, Any]) -> None:
     values, masters, inner, low = check(opt, state_dict)
     # `check` ran torch's own load on a scratch copy, so this one does not fail.
     opt.optimizer.load_state_dict(inner)
-    if low is not None:
-        low_precision_of(opt).after_inner_load_()
-        low_precision_of(opt).load(low)
+    if low is not None and (lp := low_precision_of(opt)) is not None:  # one with the other
+        lp.after_inner_load_()
+        lp.load(low)
     for s, v in zip(opt._scalers, values or ()):
         s._apply(v)
     if masters is not None:  # else they come from the model's float32 checkpoint

@@ -212,8 +212,9 @@ class AmpPrecision(*_BASES):
 
     def convert_input(self, data: Any) -> Any:
         """Floating tensors of a batch in the params' half dtype (naive, apex O2/O3)."""
-        if self._amp.half_params and self._amp.module is not None:
-            return cast_floats(data, DTYPES[self._amp.plan.cast_model_type])
+        half = self._amp.plan.cast_model_type  # set where half_params
+        if self._amp.half_params and self._amp.module is not None and half is not None:
+            return cast_floats(data, DTYPES[half])
         return data
 
     # -- backward and step --------------------------------------------------------------
