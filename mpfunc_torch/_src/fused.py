@@ -276,11 +276,12 @@ def step_with_found_inf_(optimizer: torch.optim.Optimizer, grad_scale, found_inf
     """One step of a fused optimizer (``_step_supports_amp_scaling``) that unscales by
     ``grad_scale`` (None: already unscaled) and skips where ``found_inf`` is 1, undoing
     its step count, all on the device."""
-    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    # torch's fused optimizers read these attributes, as GradScaler sets them.
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf  # pyright: ignore[reportAttributeAccessIssue]  # not declared on Optimizer
     try:
         optimizer.step()
     finally:
-        optimizer.grad_scale, optimizer.found_inf = None, None
+        optimizer.grad_scale, optimizer.found_inf = None, None  # pyright: ignore[reportAttributeAccessIssue]  # as above
 
 
 # ------------------------------------------------------------------ torch._scaled_mm
@@ -320,7 +321,7 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     # cuBLASLt takes a bias only in a 16-bit type; a float32 result adds it afterwards.
     fused_bias = bias is not None and mm_dtype in (torch.bfloat16, torch.float16)
     out = torch._scaled_mm(a, b.t(), inv_a, inv_b, out_dtype=mm_dtype,  # pyright: ignore[reportPrivateImportUsage]  # torch's private op, used only here (tests/test_torch_private_ops.py)
-                           bias=bias.to(mm_dtype) if fused_bias else None,
+                           bias=bias.to(mm_dtype) if fused_bias and bias is not None else None,
                            use_fast_accum=use_fast_accum)
     if bias is not None and not fused_bias:
         out = out + bias.to(out.dtype)

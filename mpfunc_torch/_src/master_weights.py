@@ -130,6 +130,7 @@ def swap_in_masters_(optimizer: torch.optim.Optimizer,
     pairs = []
     for group in optimizer.param_groups:
         new = []
+        p: torch.Tensor
         for p in group["params"]:
             m = masters.get(id(p), p)
             if m is not p:
@@ -324,7 +325,7 @@ class _LoadFollower:
 
 
 @torch.no_grad()
-def _follow(module: nn.Module, name: str, param: torch.Tensor, value: torch.Tensor,
+def _follow(module: nn.Module, name: str, param: nn.Parameter, value: torch.Tensor,
             master: torch.Tensor | None, keep: torch.Tensor | None) -> None:
     current = module._parameters[name]
     if current is not param:  # load_state_dict(assign=True) swapped the param object

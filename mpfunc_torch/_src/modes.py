@@ -149,15 +149,15 @@ def _amax_groups(plan, groups: tuple, fp8_amax_group: Any) -> tuple:
     there deadlocked, so with it the amax groups must be named (``()`` for none)."""
     explicit = fp8_amax_group is not None
     extra = normalize_groups(fp8_amax_group, name="fp8_amax_group")
-    fp8 = plan.enabled and plan.fp8_recipe is not None
-    if extra and not fp8:
+    recipe = plan.fp8_recipe if plan.enabled else None
+    if extra and recipe is None:
         raise ValueError("`fp8_amax_group` applies to mode='fp8' only (the amax reduction "
                          f"of fp8 scales); this is {plan.describe()}. Remove it.")
-    if not fp8 or plan.fp8_recipe.block("input") is not None:
-        if extra:
+    if recipe is None or recipe.block("input") is not None:
+        if extra and recipe is not None:  # (without a recipe, refused above)
             raise ValueError("`fp8_amax_group` applies to per-tensor fp8 recipes "
                              "(tensorwise, delayed); the recipe "
-                             f"{plan.fp8_recipe.describe()!r} scales blocks or rows "
+                             f"{recipe.describe()!r} scales blocks or rows "
                              "locally. Remove it.")
         return ()
     if groups and not explicit:
@@ -358,7 +358,7 @@ def convert_to_amp(
             f"`model` params {half[:3]} are already half precision; give the model in "
             "float32 so the float32 master weights start from the exact values."
         )
-    masters: dict[int, torch.Tensor] | None = None
+    masters: dict[int, nn.Parameter] | None = None
     # The dtype each optimizer param is stepped in (where it has no master), known
     # before anything is cast, so that a refusal leaves the model as it was.
     stepped = {id(p): torch.float32 if ahead is not None and p in ahead.originals else p.dtype
