@@ -10,7 +10,7 @@
 #               uses $(PYTHON) with the checkout on PYTHONPATH, not the .venv, so that it
 #               runs on a GPU image as it is; GPU_ARGS=--cpu-dry-run tries it on CPU,
 #               GPU_ARGS=--plan prints the parts and their boxes.
-#   make typecheck  pyright (basic) on the three packages (not yet in `make lint`)
+#   make typecheck  pyright (basic) on the three packages (`make lint` runs it too)
 #   make test-latest  the newest torch, jax, flax, optax, transformers and Lightning the
 #               registry serves, in .venv-latest: MATRIX_TESTS there; CI runs it
 #   make test-oldest  the oldest versions pyproject's lower bounds claim
@@ -56,6 +56,7 @@ test-durations: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(MAKE) typecheck
 
 typecheck: $(STAMP)
 	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright --project pyproject.toml --pythonpath $(BIN)/python

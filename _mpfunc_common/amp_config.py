@@ -213,8 +213,7 @@ class AmpPlan:
         if self.master_storage not in (None, "float32") or self.state_dtype:
             parts.append(f"storage={self.master_storage}, state_dtype={self.state_dtype} "
                          f"({self.state_rounding}), seed={self.seed}")
-        if self.scale_kind == "dynamic":
-            c = self.scale_config
+        if self.scale_kind == "dynamic" and (c := self.scale_config) is not None:
             parts.append(
                 f"loss_scale=dynamic(init={c.initial_scale:g}, growth={c.growth_factor:g}, "
                 f"backoff={c.backoff_factor:g}, interval={c.growth_interval}, "
@@ -318,7 +317,7 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
             _bool(cfg, key)
         clip = cfg["clip_grad"]
         if isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not (
-            math.isfinite(clip) and clip >= 0
+            math.isfinite(clip) and float(clip) >= 0
         ):
             raise ValueError(f"`clip_grad` must be a finite number >= 0 (0 = off), got {clip!r}.")
         scale = resolve_scale_config(

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "FIELDS",
@@ -138,9 +138,15 @@ def _headroom(amax: float, scale: float, fmt: FloatFormat) -> float:
     return math.log2(fmt.max / scaled)
 
 
-def leaf_rows(names: Sequence[str], nonfinite: Sequence, amax: Sequence, zeros: Sequence,
-              underflows: Sequence, sizes: Sequence, scale: float,
-              fmt: FloatFormat) -> list[dict[str, Any]]:
+class _HostNumbers(Protocol):
+    """Numbers indexed by leaf: a list, or a NumPy array (not a `Sequence`)."""
+
+    def __getitem__(self, i: int, /) -> Any: ...
+
+
+def leaf_rows(names: Sequence[str], nonfinite: _HostNumbers, amax: _HostNumbers,
+              zeros: _HostNumbers, underflows: _HostNumbers, sizes: _HostNumbers,
+              scale: float, fmt: FloatFormat) -> list[dict[str, Any]]:
     """One dict per leaf, in the order given: ``name`` and the `FIELDS` (`LEAF_RULE`).
 
     The inputs are host numbers (lists or NumPy arrays), one per leaf; ``scale`` is the

@@ -184,7 +184,7 @@ def to_float32(value: float) -> float:
     return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
-def as_python_number(name: str, value, *, integer: bool = False):
+def as_python_number(name: str, value, *, integer: bool = False) -> int | float:
     """A hyperparameter as a Python int/float, from a Python, NumPy, JAX or torch scalar.
 
     Concrete 0-d arrays (``jnp.float32(2.**15)``, ``np.float32(2.0)``) are accepted, as jmp
@@ -218,7 +218,7 @@ def as_python_number(name: str, value, *, integer: bool = False):
         if isinstance(value, numbers.Integral):
             return int(value)
         if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
-            return int(value)
+            return int(math.trunc(value))  # numbers.Real has __trunc__, not __int__
         raise TypeError(f"`{name}` must be an int (an integral float like 5.0 is accepted), "
                         f"got {type(value).__name__}: {value!r}.")
     return float(value)

@@ -26,7 +26,7 @@ stochastic     nothing                 10          6            4 + scales
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Literal, overload
 
 from _mpfunc_common.suggest import did_you_mean
 
@@ -99,6 +99,10 @@ def _dtype_key(value: Any) -> str:
     return key[len("torch."):] if key.startswith("torch.") else key
 
 
+@overload
+def check_master_storage(value: Any, name: str = ..., *, allow_none: Literal[False]) -> str: ...
+@overload
+def check_master_storage(value: Any, name: str = ..., allow_none: bool = ...) -> str | None: ...
 def check_master_storage(value: Any, name: str = "master_weights",
                          allow_none: bool = True) -> str | None:
     """``value`` as one of `MASTER_STORAGES` (or None where ``allow_none``).
@@ -145,6 +149,10 @@ def check_param_dtype(storage: str, dtype: Any, name: str = "params") -> str:
            if key == "float16" else ""))
 
 
+@overload
+def check_state_dtype(value: Any, name: str = ..., *, allow_none: Literal[False]) -> str: ...
+@overload
+def check_state_dtype(value: Any, name: str = ..., allow_none: bool = ...) -> str | None: ...
 def check_state_dtype(value: Any, name: str = "state_dtype",
                       allow_none: bool = True) -> str | None:
     """``value`` (a name, an alias or a framework dtype) as one of `STATE_DTYPES`.

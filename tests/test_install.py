@@ -360,7 +360,7 @@ def test_ci_runs_every_step_in_a_clone_named_mpfunc(tmp_path):
     # Each stage's wall time, then all of them and the total.
     summary = out.stdout.split("ci: stage times\n")[1].splitlines()
     assert [line.split()[1] for line in summary] == [
-        "chromium", "install", "test", "test-slow", "lint", "docs", "latest", "oldest",
+        "chromium", "node", "install", "test", "test-slow", "lint", "docs", "latest", "oldest",
         "wheel", "total"]
     assert all(re.fullmatch(r"ci:   \S+ +\d+:\d\d", line) for line in summary), summary
     assert {Path(where).parent.parent for where, _ in runs} == {tmp}

@@ -204,7 +204,7 @@ class _HalfModelRules(_Rules):
         for eqn in jaxpr.eqns:
             name, params = eqn.primitive.name, eqn.params
             ins = [v for v in eqn.invars if not isinstance(v, Literal)
-                   and hasattr(v.aval, "dtype") and is_float(v.aval.dtype)]
+                   and (dt := getattr(v.aval, "dtype", None)) is not None and is_float(dt)]
             inline = self.inlined(eqn)
             if inline is not None:
                 cj, skip = inline
@@ -224,7 +224,7 @@ class _HalfModelRules(_Rules):
     def edge_dtypes(self, eqn, invals, tags):
         # Norm params enter a scan (as consts or scanned inputs), a cond or a checkpoint
         # in float32 (traced as the compute dtype: see `half_model`).
-        out = [None] * len(invals)
+        out: list[np.dtype | None] = [None] * len(invals)
         for i in self.changeable_inputs(eqn):
             if tags[i] and is_float(jnp.result_type(invals[i])):
                 out[i] = jnp.result_type(invals[i])

@@ -31,12 +31,10 @@ def _typed_by_vma(axes: tuple) -> bool:
     """Whether shard_map's varying-axes typing is on here (``check_vma=True``).
 
     Probed by casting a constant to "varying over ``axes``": with the typing on, its type
-    then says so; with ``check_vma=False`` (or ``pmap``) the type stays empty. Adapts to
-    the jax version in one place (``pcast`` from jax 0.8.2, ``pvary`` before).
+    then says so; with ``check_vma=False`` (or ``pmap``) the type stays empty.
     """
     zero = jnp.zeros((), jnp.float32)
-    pcast = getattr(jax.lax, "pcast", None)
-    probe = pcast(zero, axes, to="varying") if pcast is not None else jax.lax.pvary(zero, axes)
+    probe = jax.lax.pcast(zero, axes, to="varying")
     return bool(_varying_axes(probe))
 
 

@@ -33,13 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
-
-try:  # jax >= 0.4.30 exposes these publicly here
-    from jax.extend.core import Literal
-except ImportError:  # pragma: no cover
-    from jax.core import Literal  # type: ignore
+from jax.extend.core import Literal
 
 # Calls in INLINE have their body evaluated inline, so the select reaches the ops inside.
 from mpfunc._src.rewrite import INLINE, bind_with_subprograms, eval_eqns

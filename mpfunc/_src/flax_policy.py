@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -52,8 +53,11 @@ class DeclaredDtypeWarning(UserWarning):
     """
 
 
-def _flax(part: str, feature: str):
-    """``flax.linen`` or ``flax.nnx``; without flax, an error naming the `flax` extra."""
+def _flax(part: str, feature: str) -> ModuleType:
+    """``flax.linen`` or ``flax.nnx``; without flax, an error naming the `flax` extra.
+
+    Typed as a plain module: flax is optional, and the callers use either one.
+    """
     require_extra(feature, "flax", ("flax",))
     if part == "linen":
         from flax import linen as mod
@@ -143,7 +147,7 @@ class LinenPolicy:
             if module.scope is not None:
                 path = tuple(module.scope.path)
                 owners[path] = policy
-                if differs:
+                if differs and declared is not None:
                     self._declared[path] = (f"{type(module).__name__}: {declared.name}, "
                                             f"policy {np.dtype(policy.compute_dtype).name}")
             override = cast and differs and self.override_declared

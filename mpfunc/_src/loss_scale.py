@@ -292,12 +292,13 @@ def chain(*links: Any) -> optax.GradientTransformationExtraArgs:
                 f"`links[{i}]` is a loss-scale link; it must come first, or the links "
                 "before it see scaled gradients."
             )
-    if links and hasattr(links[0].init, "_mpfunc_rewrap"):
-        if links[0].init._mpfunc_has_inner:
+    rewrap = getattr(links[0].init, "_mpfunc_rewrap", None) if links else None
+    if rewrap is not None:
+        if getattr(links[0].init, "_mpfunc_has_inner", False):
             raise ValueError(
                 "`links[0]` already wraps an inner transformation; pass the rest of the "
                 "chain to it, or use the chain form dynamic_scale() as the first link."
             )
         rest = optax.chain(*links[1:]) if len(links) > 1 else optax.identity()
-        return links[0].init._mpfunc_rewrap(rest)
+        return rewrap(rest)
     return optax.chain(*links)

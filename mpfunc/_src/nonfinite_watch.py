@@ -12,6 +12,7 @@ traced function and pass to `mpfunc.precision_report`. The torch twin is
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -105,7 +106,7 @@ class NonfiniteWatch:
         originals = {c: (c.__dict__.get("__call__"), c.__call__) for c in classes}
         active: set[int] = set()
 
-        def wrap(call):
+        def wrap(call) -> Callable[..., Any]:  # becomes a class's __call__
             @functools.wraps(call)
             def wrapper(module, *args, **kwargs):
                 key = id(module)

@@ -191,7 +191,7 @@ def param_storage(inner: optax.GradientTransformationExtraArgs, storage: str,
         _check_params(storage, params)
         leaves, treedef = jax.tree_util.tree_flatten(params)
         if storage == "stochastic":
-            beside = [None] * len(leaves)
+            beside: list[Any] = [None] * len(leaves)
         else:
             beside = treedef.flatten_up_to(state[0])
         masters = []
@@ -210,7 +210,8 @@ def param_storage(inner: optax.GradientTransformationExtraArgs, storage: str,
             grads, state.inner_state, treedef.unflatten(masters), **extra_args)
         # float32 updates land every param exactly; strict promotion refuses to add them
         # to half params, so there they are in the param's dtype (see the module doc).
-        exact = jax.config.jax_numpy_dtype_promotion != "strict"
+        exact = (jax.config.jax_numpy_dtype_promotion  # pyright: ignore[reportAttributeAccessIssue]  # jax sets its options as attributes at run time
+                 != "strict")
         out, new_beside = [], []
         for p, u, e in zip(leaves, treedef.flatten_up_to(inner_updates), beside):
             if not _is_half(p):

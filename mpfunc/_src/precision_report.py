@@ -17,6 +17,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -117,12 +118,12 @@ class PrecisionReport:
         fwd = None if self.forward is None else self.forward.flags
         got = jax.device_get((self.nonfinite, self.amax, self.zeros, self.underflows,
                               self.sizes, self.loss_scale, fwd))
-        nonfinite, amax, zeros, under, sizes, scale, fwd = (
-            None if v is None else np.asarray(v) for v in got)
+        *arrays, fwd = got
+        nonfinite, amax, zeros, under, sizes, scale = (np.asarray(v) for v in arrays)
         rows = leaf_rows(self.paths, nonfinite.reshape(-1), amax.reshape(-1),
                          zeros.reshape(-1), under.reshape(-1), sizes.reshape(-1),
                          float(scale), check_report_dtype(self.dtype, self.dtype))
-        return rows, float(scale), None if fwd is None else fwd.reshape(-1).tolist()
+        return rows, float(scale), None if fwd is None else np.asarray(fwd).reshape(-1).tolist()
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per leaf, in tree order: ``name`` (the keystr path), ``nonfinite``,
@@ -145,7 +146,7 @@ class PrecisionReport:
     def __str__(self) -> str:
         rows, scale, fwd = self._read()
         first = None
-        if fwd is not None:
+        if fwd is not None and self.forward is not None:
             first = next((n for n, f in zip(self.forward.names, fwd) if f), None)
         return format_table(rows, scale, check_report_dtype(self.dtype, self.dtype),
                             first, watched=fwd is not None)

@@ -20,11 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-try:  # jax >= 0.4.30 exposes these publicly here
-    from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
-except ImportError:  # pragma: no cover
-    from jax.core import ClosedJaxpr, Jaxpr, Literal  # type: ignore
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 __all__ = ["Rewriter", "cast", "eval_eqns", "is_float", "widest", "strip_dot_algorithm"]
 
@@ -40,7 +36,7 @@ def bind_with_subprograms(prim, invals, params):
     ``(subfuns, params)`` pair in older jax; both are handled here, in one place.
     """
     out = prim.get_bind_params(params)
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+    if isinstance(out, tuple):
         subfuns, bind_params = out
         return prim.bind(*subfuns, *invals, **bind_params)
     return prim.bind(*invals, **out)
@@ -272,9 +268,10 @@ class Rewriter:
 
             tags = [in_tag(flat[i][0], flat[i][1]) for i in dynamic_idx] if in_tag else None
             traced = list(dynamic)
-            for n, i in enumerate(dynamic_idx if trace_dtype is not None else ()):
-                if (dtype := trace_dtype(*flat[i])) is not None:
-                    traced[n] = jax.ShapeDtypeStruct(jnp.shape(dynamic[n]), dtype)
+            if trace_dtype is not None:
+                for n, i in enumerate(dynamic_idx):
+                    if (dtype := trace_dtype(*flat[i])) is not None:
+                        traced[n] = jax.ShapeDtypeStruct(jnp.shape(dynamic[n]), dtype)
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*traced)
             outs = self.eval_jaxpr(closed.jaxpr, closed.consts, dynamic, tags)
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from mpfunc._src.distributed import AxisName, _is_float, all_finite, check_axis_name
@@ -199,7 +200,7 @@ def scale_metrics(opt_state: Any, *, skip_leaves: Any = None) -> dict[str, Any]:
       ['consecutive_skips', 'last_finite', 'loss_scale', 'skipped_steps']
     """
     s = _the_state(opt_state)
-    out = {
+    out: dict[str, Any] = {
         "loss_scale": s.loss_scale,
         "skipped_steps": s.skipped_steps,
         "consecutive_skips": s.consecutive_skips,

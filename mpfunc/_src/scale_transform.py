@@ -8,7 +8,7 @@ transformation or skips it exactly, and advances the scale (``scale_rule``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,8 @@ def _scale_transform(
     # At a scale >= 1 unscaling multiplies by at most 1: it can neither make a finite
     # gradient non-finite nor the reverse. Below 1 it can overflow, so the check must
     # see the unscaled values (as torch's GradScaler does; mpfunc_torch does the same).
-    below_one = cfg.may_go_below_one if cfg is not None else static_value < 1.0
+    below_one = (cfg.may_go_below_one if cfg is not None
+                 else static_value is not None and static_value < 1.0)
 
     def init_fn(params):
         # One array per leaf: leaves sharing a buffer cannot all be donated to a step.
@@ -165,6 +166,9 @@ def _scale_transform(
         )
 
     # Lets `mpfunc.chain` turn a chain-form link into the wrapper form.
-    init_fn._mpfunc_rewrap = rewrap  # type: ignore[attr-defined]
-    init_fn._mpfunc_has_inner = inner is not None  # type: ignore[attr-defined]
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    init_fn._mpfunc_rewrap = rewrap
+    init_fn._mpfunc_has_inner = inner is not None
+    # optax types a state as a chex `ArrayTree`, which leaves out None (an empty pytree
+    # node, which optax handles): this state holds None where a feature is off.
+    return optax.GradientTransformationExtraArgs(
+        cast(optax.TransformInitFn, init_fn), cast(optax.TransformUpdateExtraArgsFn, update_fn))

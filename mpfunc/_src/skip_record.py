@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,7 +39,8 @@ def skip_record_init(params: Any) -> jax.Array:
     return jnp.zeros((len(_float_leaves(params)[0]),), jnp.bool_)
 
 
-def skip_record(prev: jax.Array | None, flags: jax.Array, finite: jax.Array) -> jax.Array:
+def skip_record(prev: jax.Array | None, flags: jax.Array,
+                finite: jax.Array) -> jax.Array | None:
     """``prev`` on a finite step; on a skipped one, the step's per-leaf flags (from the
     finite check's own reductions: `mpfunc.all_finite`'s, at no extra cost).
 

@@ -70,7 +70,9 @@ def checkpoint_context_fn(model: torch.nn.Module) -> Callable[[], tuple[Any, Any
         raise TypeError("`model` must be a model from convert_to_amp (the model it returned, "
                         f"or the module it converted), got an unconverted "
                         f"{type(module).__name__}.")
-    kind = forward.function_mode if isinstance(forward, _AmpForward) else None
+    if not isinstance(forward, _AmpForward):
+        return functools.partial(_checkpoint_contexts, None, None)
+    kind = forward.function_mode
     return functools.partial(_checkpoint_contexts, kind,
                              forward.device_type if kind == "o1" else None)
 
@@ -82,7 +84,7 @@ def _checkpoint_contexts(kind: str | None, device_type: str | None) -> tuple[Any
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         return create_selective_checkpoint_contexts(_recompute_all)
-    if kind == "o1":
+    if kind == "o1" and device_type is not None:
         recompute = Fp32Functions(device_type)
     elif kind == "half":
         recompute = HalfModelFp32Functions()

@@ -104,7 +104,7 @@ def cast_ahead_of(model: nn.Module, plan: AmpPlan) -> CastAhead | None:
     record = _CAST.get(model)
     if record is None:
         return None
-    target = DTYPES.get(plan.cast_model_type) if plan.enabled else None
+    target = DTYPES.get(plan.cast_model_type) if plan.enabled and plan.cast_model_type else None
     if (target, plan.keep_norm_fp32) != (record.dtype, record.keep_norm_fp32):
         raise ValueError(
             f"`model` was cast to {record.dtype} (norms kept in float32: "

@@ -151,10 +151,11 @@ def _make_master_grads_(chunk: Pairs, inv_scale: torch.Tensor | None,
     for _, m in chunk:
         m.grad = torch.empty_like(m)
     if chunk:
-        torch._foreach_copy_([local(m.grad) for _, m in chunk],
-                             [local(p.grad) for p, _ in chunk])
+        # (every pair here has a dense half grad: `sparse_grads_to_masters_`)
+        torch._foreach_copy_(grads_of([m for _, m in chunk]),  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
+                             grads_of([p for p, _ in chunk]))
     if inv_scale is not None and chunk:
-        fused.unscale_and_check_([local(m.grad) for _, m in chunk], found_inf, inv_scale)
+        fused.unscale_and_check_(grads_of([m for _, m in chunk]), found_inf, inv_scale)
 
 
 def visit_chunks_(chunks: Sequence[Pairs], inv_scale: torch.Tensor | None,
@@ -277,9 +278,10 @@ def prepare_chunked_step_(pairs: Pairs, owned: Sequence[torch.Tensor],
     if count_zeros:
         zeros, index_of = {}, {id(q): i for i, q in enumerate(owned)}
 
-        def visit(tensors: list) -> None:
+        def count(tensors: list) -> None:
             zeros.update(grad_zero_counts(tensors, [index_of[id(t)] for t in tensors]))
 
+        visit = count
         visit(ready)
     return ChunkedStep(dense, ready, chunks, inv, clip, zeros, visit)
 

@@ -132,7 +132,7 @@ def grad_norms(params: Sequence[torch.Tensor], norm_type: float,
             groups.setdefault((v.device, v.dtype), []).append((i, v))
     out: Norms = {}
     for key, items in groups.items():
-        norms = torch._foreach_norm([v for _, v in items], norm_type, dtype=torch.float32)
+        norms = torch._foreach_norm([v for _, v in items], norm_type, dtype=torch.float32)  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
         out.update((i, (key, n)) for (i, _), n in zip(items, norms))
     return out
 
@@ -275,7 +275,7 @@ def grad_zero_counts(params: Sequence[torch.Tensor],
             groups.setdefault((v.device, v.dtype), []).append((i, v, local(p.grad).numel()))
     out: ZeroCounts = {}
     for items in groups.values():
-        nonzero = torch._foreach_norm([v for _, v, _ in items], 0, dtype=torch.float64)
+        nonzero = torch._foreach_norm([v for _, v, _ in items], 0, dtype=torch.float64)  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
         out.update((i, (n, nz)) for (i, _, n), nz in zip(items, nonzero))
     return out
 
@@ -332,7 +332,7 @@ def clip_grads_with_norm_(params: Iterable[torch.Tensor], max_norm: float,
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
     for dev, group in by_device.items():
-        torch._foreach_mul_(group, coef.to(dev))
+        torch._foreach_mul_(group, coef.to(dev))  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
 
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,

@@ -55,7 +55,7 @@ __all__ = [
 # which torch.optim.Optimizer's own methods use, imports it at the first call instead;
 # dynamo skips its wrapper (torch._compile is on its skip list), so a traced call is a
 # graph break and the method runs with dynamo off, as with torch.compiler.disable.
-eager = torch._disable_dynamo
+eager = torch._disable_dynamo  # pyright: ignore[reportPrivateImportUsage]  # torch's private op, used only here (tests/test_torch_private_ops.py)
 
 
 def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
@@ -69,7 +69,7 @@ def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
 
 def _check_and_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor,
                         inv_scale: torch.Tensor) -> None:
-    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
 
 
 _SGD_HALF_CPU: dict[torch.dtype, bool] = {}
@@ -185,7 +185,7 @@ def update_scale_(
     growth_interval: int,
 ) -> None:
     """torch's GradScaler update, in place, in one kernel."""
-    torch._amp_update_scale_(
+    torch._amp_update_scale_(  # pyright: ignore[reportPrivateImportUsage]  # torch's private op, used only here (tests/test_torch_private_ops.py)
         scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
     )
 
@@ -200,7 +200,7 @@ def clip_grads_(grads: Iterable[torch.Tensor], max_norm: float,
     total = torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for (device, _dtype), group in _group(tensors).items():
-        torch._foreach_mul_(group, coef.to(device))
+        torch._foreach_mul_(group, coef.to(device))  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
     return total
 
 
@@ -276,11 +276,12 @@ def step_with_found_inf_(optimizer: torch.optim.Optimizer, grad_scale, found_inf
     """One step of a fused optimizer (``_step_supports_amp_scaling``) that unscales by
     ``grad_scale`` (None: already unscaled) and skips where ``found_inf`` is 1, undoing
     its step count, all on the device."""
-    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    # torch's fused optimizers read these attributes, as GradScaler sets them.
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf  # pyright: ignore[reportAttributeAccessIssue]  # not declared on Optimizer
     try:
         optimizer.step()
     finally:
-        optimizer.grad_scale, optimizer.found_inf = None, None
+        optimizer.grad_scale, optimizer.found_inf = None, None  # pyright: ignore[reportAttributeAccessIssue]  # as above
 
 
 # ------------------------------------------------------------------ torch._scaled_mm
@@ -319,8 +320,8 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     mm_dtype = torch.bfloat16 if rowwise else out_dtype
     # cuBLASLt takes a bias only in a 16-bit type; a float32 result adds it afterwards.
     fused_bias = bias is not None and mm_dtype in (torch.bfloat16, torch.float16)
-    out = torch._scaled_mm(a, b.t(), inv_a, inv_b, out_dtype=mm_dtype,
-                           bias=bias.to(mm_dtype) if fused_bias else None,
+    out = torch._scaled_mm(a, b.t(), inv_a, inv_b, out_dtype=mm_dtype,  # pyright: ignore[reportPrivateImportUsage]  # torch's private op, used only here (tests/test_torch_private_ops.py)
+                           bias=bias.to(mm_dtype) if fused_bias and bias is not None else None,
                            use_fast_accum=use_fast_accum)
     if bias is not None and not fused_bias:
         out = out + bias.to(out.dtype)
@@ -337,7 +338,7 @@ def cpu_scaled_mm_rowwise() -> bool:
         a = torch.ones(16, 16).to(torch.float8_e4m3fn)
         s = torch.ones(16, 1)
         try:
-            torch._scaled_mm(a, a.t(), s, s.t(), out_dtype=torch.bfloat16)
+            torch._scaled_mm(a, a.t(), s, s.t(), out_dtype=torch.bfloat16)  # pyright: ignore[reportPrivateImportUsage]  # torch's private op, used only here (tests/test_torch_private_ops.py)
             _CPU_ROWWISE.append(True)
         except RuntimeError:
             _CPU_ROWWISE.append(False)

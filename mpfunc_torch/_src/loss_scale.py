@@ -131,13 +131,16 @@ class LossScaler:
             raise ValueError(f"`kind` must be 'dynamic', 'static' or 'none', got {kind!r}.")
         if kind != "dynamic" and config is not None:
             raise ValueError(f"`config` only applies to kind='dynamic', got kind={kind!r}.")
+        cfg: ScaleConfig | None = None  # set exactly when kind is "dynamic"
         if kind == "dynamic":
             if config is None or isinstance(config, str):
                 if config is not None and config not in SCALE_PRESETS:
                     raise ValueError(f"`config` must be a ScaleConfig or one of the presets "
                                      f"{sorted(SCALE_PRESETS)}, got {config!r}.")
-                config = resolve_scale_config(config or "torch")
-            elif not isinstance(config, ScaleConfig):
+                cfg = resolve_scale_config(config or "torch")
+            elif isinstance(config, ScaleConfig):
+                cfg = config
+            else:
                 raise TypeError(
                     "`config` must be a ScaleConfig (mpfunc_torch.ScaleConfig.from_preset("
                     "preset, **overrides)) or a preset name, got "
@@ -147,39 +150,39 @@ class LossScaler:
             raise ValueError("`static_scale` must be a normal float32 in [2**-126, 3.4e38], "
                              f"got {static_scale!r}.")
         self.kind = kind
-        self.config = config
+        self.config = cfg
         device = _device(device)
         initial = (
-            config.initial_scale if kind == "dynamic"
+            cfg.initial_scale if cfg is not None
             else static if kind == "static" else 1.0
         )
         self._static = initial
         f32, i32 = torch.float32, torch.int32
         self._scale = torch.full((), initial, dtype=f32, device=device)
         self._growth_tracker = torch.zeros((), dtype=i32, device=device)
-        hyst = config.hysteresis if config is not None else 1
+        hyst = cfg.hysteresis if cfg is not None else 1
         self._hysteresis_left = torch.full((), hyst, dtype=i32, device=device)
         self._skipped = torch.zeros((), dtype=i32, device=device)
         self._consecutive = torch.zeros((), dtype=i32, device=device)
         self._last_finite = torch.ones((), dtype=torch.bool, device=device)
-        warm = config is not None and config.warm_start
+        warm = cfg is not None and cfg.warm_start
         self._warm_phase = torch.full((), WARM_START if warm else WARM_OFF, dtype=i32,
                                       device=device)
-        if config is not None:
-            self._growth = torch.tensor(config.growth_factor, dtype=f32, device=device)
-            self._backoff = torch.tensor(config.backoff_factor, dtype=f32, device=device)
-            self._min = torch.tensor(config.min_scale, dtype=f32, device=device)
-            self._max = torch.tensor(config.max_scale, dtype=f32, device=device)
-            self._hyst_full = torch.tensor(config.hysteresis, dtype=i32, device=device)
+        if cfg is not None:
+            self._growth = torch.tensor(cfg.growth_factor, dtype=f32, device=device)
+            self._backoff = torch.tensor(cfg.backoff_factor, dtype=f32, device=device)
+            self._min = torch.tensor(cfg.min_scale, dtype=f32, device=device)
+            self._max = torch.tensor(cfg.max_scale, dtype=f32, device=device)
+            self._hyst_full = torch.tensor(cfg.hysteresis, dtype=i32, device=device)
             self._f32_max = torch.tensor(FLOAT32_MAX, dtype=f32, device=device)
             # torch's kernel has no floor; clamping its result to min_scale afterwards is
             # the same rule (the floor only ever applies to a backed-off scale).
             self._use_torch_kernel = (
-                not config.warm_start
-                and config.hysteresis == 1
-                and math.isinf(config.max_scale)
-                and _is_power_of_two(config.growth_factor)
-                and _is_power_of_two(config.backoff_factor)
+                not cfg.warm_start
+                and cfg.hysteresis == 1
+                and math.isinf(cfg.max_scale)
+                and _is_power_of_two(cfg.growth_factor)
+                and _is_power_of_two(cfg.backoff_factor)
             )
 
     @property
@@ -217,7 +220,7 @@ class LossScaler:
     @property
     def smallest_scale(self) -> float:
         """The smallest scale this scaler can reach (a host number, from its config)."""
-        if self.kind == "dynamic":
+        if self.config is not None:  # dynamic
             return min(self.config.min_scale, self.config.initial_scale)
         return self._static
 
@@ -242,13 +245,13 @@ class LossScaler:
         self._skipped.add_((~step_finite & (self._skipped < _INT32_MAX)).to(torch.int32))
         c = self._consecutive
         c.copy_(torch.where(step_finite, torch.zeros_like(c), c + (c < _INT32_MAX).to(c.dtype)))
-        if self.kind != "dynamic":
+        cfg = self.config
+        if cfg is None:  # not dynamic
             return
         if self._use_torch_kernel:
             fused.update_scale_(
                 self._scale, self._growth_tracker, found_inf,
-                self.config.growth_factor, self.config.backoff_factor,
-                self.config.growth_interval,
+                cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval,
             )
             torch.maximum(self._scale, self._min, out=self._scale)
             # Keep hysteresis_left as the rule defines it (for hysteresis 1 it never
@@ -265,7 +268,7 @@ class LossScaler:
         over_scale = torch.where(hyst_after == 0, backed, scale)
         # Clean branch.
         t = torch.clamp(tracker, max=_INT32_MAX - 1) + 1
-        grow = t == self.config.growth_interval
+        grow = t == cfg.growth_interval
         grown = torch.minimum(scale * self._growth, self._max)
         clean_scale = torch.where(grow & torch.isfinite(grown), grown, scale)
         clean_tracker = torch.where(grow, torch.zeros_like(t), t)
@@ -273,19 +276,19 @@ class LossScaler:
         new_scale = torch.where(finite, clean_scale, over_scale)
         new_tracker = torch.where(finite, clean_tracker, torch.zeros_like(t))
         new_hyst = torch.where(finite, clean_hyst, hyst_after)
-        if self.config.warm_start:
-            self._warm_start(finite, new_scale, new_tracker, new_hyst)
+        if cfg.warm_start:
+            self._warm_start(cfg, finite, new_scale, new_tracker, new_hyst)
             return
         scale.copy_(new_scale)
         tracker.copy_(new_tracker)
         hyst.copy_(new_hyst)
 
-    def _warm_start(self, finite, new_scale, new_tracker, new_hyst) -> None:
+    def _warm_start(self, cfg: ScaleConfig, finite, new_scale, new_tracker, new_hyst) -> None:
         """The warm start of `UPDATE_RULE` over the plain rule's results (tensor ops,
         no host sync); mpfunc's `next_scale` computes the same, bit for bit."""
         scale, phase = self._scale, self._warm_phase
         phase.copy_(torch.where(finite & (phase == WARM_START), WARM_OFF, phase))
-        hi = self._max if math.isfinite(self.config.max_scale) else self._f32_max
+        hi = self._max if math.isfinite(cfg.max_scale) else self._f32_max
         climbed = torch.minimum(scale * WARM_CLIMB, hi)
         dropped = torch.maximum(scale * WARM_DROP, self._min)
         back = torch.maximum(scale * (1 / WARM_CLIMB), self._min)

@@ -71,14 +71,14 @@ def _free_(w: torch.Tensor) -> None:
     """A placeholder between steps: one NaN seen at every position (stride 0), so it
     holds 4 bytes, yet prints and reads safely (and visibly as no value)."""
     t = _impl(w)
-    t.set_(torch.full((1,), float("nan"), dtype=t.dtype, device=t.device).expand(t.shape))
+    t.set_(torch.full((1,), float("nan"), dtype=t.dtype, device=t.device).expand(t.shape))  # pyright: ignore[reportArgumentType]  # torch's stub lists set_(Storage) only; set_(Tensor) is documented
 
 
 @torch.no_grad()
 def _alloc_(w: torch.Tensor) -> torch.Tensor:
     """A placeholder for the step: its own contiguous float32 storage (its shard's)."""
     t = _impl(w)
-    t.set_(torch.empty(t.shape, dtype=t.dtype, device=t.device))
+    t.set_(torch.empty(t.shape, dtype=t.dtype, device=t.device))  # pyright: ignore[reportArgumentType]  # torch's stub lists set_(Storage) only; set_(Tensor) is documented
     return raw(w)
 
 
@@ -136,6 +136,15 @@ class MasterStorage:
             self._index.append(element_index(p) if kind == "stochastic" else None)
             self._set_([i], [raw(m)])
 
+    def _extra_at(self, i: int) -> torch.Tensor:
+        """The remainder or compensation of pair ``i`` (there is one for every pair with
+        storage remainder or kahan)."""
+        extra = self.extra[i]
+        if extra is None:
+            raise RuntimeError(f"pair {i} keeps no remainder or compensation "
+                               f"(storage={self.kind!r}).")
+        return extra
+
     def swap_into_(self, optimizer: torch.optim.Optimizer) -> None:
         """Replaces the float32 masters by the placeholders in ``optimizer`` (and in
         `master_of`); the masters' memory goes with the last reference to them."""
@@ -155,9 +164,9 @@ class MasterStorage:
         works = [_alloc_(self.pairs[i][1]) for i in idx]
         ps = [raw(self.pairs[i][0]) for i in idx]
         if self.kind == "remainder":
-            foreach_join_remainder_(works, ps, [raw(self.extra[i]) for i in idx])
+            foreach_join_remainder_(works, ps, [raw(self._extra_at(i)) for i in idx])
         elif works:
-            torch._foreach_copy_(works, ps)
+            torch._foreach_copy_(works, ps)  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
 
     @torch.no_grad()
     def end_(self, idx: Sequence[int], step: int) -> None:
@@ -166,9 +175,9 @@ class MasterStorage:
         works = [raw(self.pairs[i][1]) for i in idx]
         ps = [raw(self.pairs[i][0]) for i in idx]
         if self.kind == "remainder":
-            foreach_split_remainder_(works, ps, [raw(self.extra[i]) for i in idx])
+            foreach_split_remainder_(works, ps, [raw(self._extra_at(i)) for i in idx])
         elif self.kind == "kahan":
-            foreach_kahan_step_(ps, [raw(self.extra[i]) for i in idx], works)
+            foreach_kahan_step_(ps, [raw(self._extra_at(i)) for i in idx], works)
         elif works:
             scratch = scratch_for(works, torch.int32)
             for i, w, p in zip(idx, works, ps):
@@ -191,11 +200,11 @@ class MasterStorage:
             p = raw(self.pairs[i][0])
             if self.kind == "remainder":
                 work = v.to(_F32, copy=True).contiguous()
-                foreach_split_remainder_([work], [p], [raw(self.extra[i])])
+                foreach_split_remainder_([work], [p], [raw(self._extra_at(i))])
                 continue
             p.copy_(v)
             if self.kind == "kahan":
-                raw(self.extra[i]).copy_(v.to(_F32) - p.to(_F32))
+                raw(self._extra_at(i)).copy_(v.to(_F32) - p.to(_F32))
 
     def master_value(self, i: int) -> torch.Tensor:
         """The float32 master at position ``i`` (this rank's shard): the remainder's
@@ -203,11 +212,11 @@ class MasterStorage:
         p = raw(self.pairs[i][0])
         out = torch.empty_like(p, dtype=_F32)
         if self.kind == "remainder":
-            foreach_join_remainder_([out], [p], [raw(self.extra[i])])
+            foreach_join_remainder_([out], [p], [raw(self._extra_at(i))])
         else:
             out.copy_(p)
             if self.kind == "kahan":
-                out.add_(raw(self.extra[i]))
+                out.add_(raw(self._extra_at(i)))
         return out
 
     @torch.no_grad()
@@ -232,7 +241,7 @@ class MasterStorage:
         i = self._at[id(w)]
         if keep is None:
             self._set_([i], [local(value).to(raw(self.pairs[i][0]).device)])
-        elif self.extra[i] is not None:
-            e = raw(self.extra[i])
+        elif (extra := self.extra[i]) is not None:
+            e = raw(extra)
             e.copy_(torch.where(local(keep), e, torch.zeros((), dtype=e.dtype, device=e.device)))
 

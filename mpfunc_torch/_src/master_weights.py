@@ -130,6 +130,7 @@ def swap_in_masters_(optimizer: torch.optim.Optimizer,
     pairs = []
     for group in optimizer.param_groups:
         new = []
+        p: torch.Tensor
         for p in group["params"]:
             m = masters.get(id(p), p)
             if m is not p:
@@ -212,7 +213,7 @@ def copy_grads_to_masters_(pairs: Pairs) -> None:
             if m.grad is None or m.grad.is_sparse:
                 m.grad = torch.empty_like(m)
         # DTensors (FSDP2, TP): each rank copies its own shard
-        torch._foreach_copy_([local(m.grad) for _, m in chunk],
+        torch._foreach_copy_([local(m.grad) for _, m in chunk],  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
                              [local(p.grad) for p, _ in chunk])
         for p, _ in chunk:
             p.grad = None
@@ -221,7 +222,7 @@ def copy_grads_to_masters_(pairs: Pairs) -> None:
 def copy_masters_to_model_(pairs: Pairs) -> None:
     """Master values -> model params (rounded to the params' dtype), one foreach copy."""
     if pairs:
-        torch._foreach_copy_([local(p).data for p, _ in pairs],
+        torch._foreach_copy_([local(p).data for p, _ in pairs],  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
                              [local(m).data for _, m in pairs])
 
 
@@ -324,7 +325,7 @@ class _LoadFollower:
 
 
 @torch.no_grad()
-def _follow(module: nn.Module, name: str, param: torch.Tensor, value: torch.Tensor,
+def _follow(module: nn.Module, name: str, param: nn.Parameter, value: torch.Tensor,
             master: torch.Tensor | None, keep: torch.Tensor | None) -> None:
     current = module._parameters[name]
     if current is not param:  # load_state_dict(assign=True) swapped the param object

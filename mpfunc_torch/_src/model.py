@@ -80,8 +80,8 @@ class _AmpForward:
         self.module = module
         self.original = vars(module).get("forward")  # an instance-level forward, if any
         self.device_type = device_type
-        half_model = plan.cast_model_type in ("float16", "bfloat16")
-        self.input_dtype = DTYPES[plan.cast_model_type] if half_model else None
+        half = plan.cast_model_type
+        self.input_dtype = DTYPES[half] if half in ("float16", "bfloat16") else None
         out = plan.cast_model_outputs
         self.output_dtype = DTYPES[out] if out else None
         self.autocast_dtype = DTYPES[plan.autocast_dtype] if plan.autocast_dtype else None

@@ -6,7 +6,7 @@ import enum
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -100,15 +100,15 @@ def _amax_groups(plan, groups: tuple, fp8_amax_group: Any) -> tuple:
     there deadlocked, so with it the amax groups must be named (``()`` for none)."""
     explicit = fp8_amax_group is not None
     extra = normalize_groups(fp8_amax_group, name="fp8_amax_group")
-    fp8 = plan.enabled and plan.fp8_recipe is not None
-    if extra and not fp8:
+    recipe = plan.fp8_recipe if plan.enabled else None
+    if extra and recipe is None:
         raise ValueError("`fp8_amax_group` applies to mode='fp8' only (the amax reduction "
                          f"of fp8 scales); this is {plan.describe()}. Remove it.")
-    if not fp8 or plan.fp8_recipe.block("input") is not None:
-        if extra:
+    if recipe is None or recipe.block("input") is not None:
+        if extra and recipe is not None:  # (without a recipe, refused above)
             raise ValueError("`fp8_amax_group` applies to per-tensor fp8 recipes "
                              "(tensorwise, delayed); the recipe "
-                             f"{plan.fp8_recipe.describe()!r} scales blocks or rows "
+                             f"{recipe.describe()!r} scales blocks or rows "
                              "locally. Remove it.")
         return ()
     if groups and not explicit:
@@ -121,9 +121,33 @@ def _amax_groups(plan, groups: tuple, fp8_amax_group: Any) -> tuple:
     return extra
 
 
+@overload
+def convert_to_amp(
+    model: nn.Module, optimizer: torch.optim.Optimizer, criterion: Callable | None = None,
+    mode: str | AMP_TYPE | MixedPrecisionConfig | None = None, *,
+    mixed_precision: str | MixedPrecisionConfig | None = None, process_group: Any = None,
+    fp8_amax_group: Any = None, device: str | torch.device | None = None,
+    is_norm: Callable[[str, nn.Module], bool] | None = None, step_chunks: int = 1,
+    record_skip_leaves: bool = False, **config: Any,
+) -> tuple[AmpModel, AmpOptimizer, AmpCriterion | None]: ...
+
+
+@overload
+def convert_to_amp(
+    model: nn.Module, optimizer: list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...],
+    criterion: Callable | None = None,
+    mode: str | AMP_TYPE | MixedPrecisionConfig | None = None, *,
+    mixed_precision: str | MixedPrecisionConfig | None = None, process_group: Any = None,
+    fp8_amax_group: Any = None, device: str | torch.device | None = None,
+    is_norm: Callable[[str, nn.Module], bool] | None = None, step_chunks: int = 1,
+    record_skip_leaves: bool = False, **config: Any,
+) -> tuple[AmpModel, list[AmpOptimizer], AmpCriterion | None]: ...
+
+
 def convert_to_amp(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]
+    | tuple[torch.optim.Optimizer, ...],
     criterion: Callable | None = None,
     mode: str | AMP_TYPE | MixedPrecisionConfig | None = None,
     *,
@@ -135,7 +159,7 @@ def convert_to_amp(
     step_chunks: int = 1,
     record_skip_leaves: bool = False,
     **config: Any,
-) -> tuple[AmpModel, AmpOptimizer, AmpCriterion | None]:
+) -> tuple[AmpModel, AmpOptimizer | list[AmpOptimizer], AmpCriterion | None]:
     """Converts a model, its optimizer and its loss to mixed precision.
 
     The modes (the same names, keys and defaults as Colossal-AI's ``convert_to_amp``, and
@@ -311,7 +335,7 @@ def convert_to_amp(
             f"`model` params {half[:3]} are already half precision; give the model in "
             "float32 so the float32 master weights start from the exact values."
         )
-    masters: dict[int, torch.Tensor] | None = None
+    masters: dict[int, nn.Parameter] | None = None
     # The dtype each optimizer param is stepped in (where it has no master), known
     # before anything is cast, so that a refusal leaves the model as it was.
     stepped = {id(p): torch.float32 if ahead is not None and p in ahead.originals else p.dtype

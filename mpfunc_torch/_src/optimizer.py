@@ -85,13 +85,15 @@ class AmpOptimizer(OptimizerMetrics, WrappedOptimizer):
       1024.0
     """
 
+    _lowp: Any  # a LowPrecision where set (mpfunc_torch._src.low_precision)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         plan: AmpPlan,
         *,
         device: torch.device,
-        masters: dict[int, torch.Tensor] | None = None,
+        masters: dict[int, torch.nn.Parameter] | None = None,
         process_groups: tuple = (),
         shared: SharedScale | None = None,
         step_chunks: int = 1,
@@ -147,7 +149,8 @@ class AmpOptimizer(OptimizerMetrics, WrappedOptimizer):
     def _index_params(self) -> None:
         source_of = {id(m): p for p, m in self._pairs}
         self._copy_order = largest_first(self._pairs)
-        self._owned = [q for g in self.optimizer.param_groups for q in g["params"]]
+        self._owned: list[torch.Tensor] = [
+            q for g in self.optimizer.param_groups for q in g["params"]]
         self._sources = [source_of.get(id(q), q) for q in self._owned]
         self._sgd_first = self._sgd_late = fused.is_fused_sgd_with_momentum(self.optimizer)
 

@@ -82,7 +82,7 @@ class PrecisionReport:
         fwd = self._read()[2]
         if fwd is None:
             return None
-        return next((n for n, f in zip(self._forward_names, fwd) if f), None)
+        return next((n for n, f in zip(self._forward_names or (), fwd) if f), None)
 
     def __str__(self) -> str:
         rows, scale, fwd = self._read()

@@ -227,11 +227,11 @@ def foreach_split_remainder_(works: Sequence[torch.Tensor], his: Sequence[torch.
     if not works:
         return
     s = [w.reshape(-1).view(_I32) for w in works]
-    torch._foreach_copy_([lo.reshape(-1) for lo in los], s)
-    torch._foreach_add_(s, 0x8000)
+    torch._foreach_copy_([lo.reshape(-1) for lo in los], s)  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
+    torch._foreach_add_(s, 0x8000)  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
     for x in s:
         x.bitwise_right_shift_(16)
-    torch._foreach_copy_([h.reshape(-1).view(_I16) for h in his], s)
+    torch._foreach_copy_([h.reshape(-1).view(_I16) for h in his], s)  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
 
 
 def foreach_join_remainder_(works: Sequence[torch.Tensor], his: Sequence[torch.Tensor],
@@ -241,8 +241,8 @@ def foreach_join_remainder_(works: Sequence[torch.Tensor], his: Sequence[torch.T
     borrows from the high half)."""
     if not works:
         return
-    torch._foreach_copy_(list(works), list(his))
-    torch._foreach_add_([w.reshape(-1).view(_I32) for w in works],
+    torch._foreach_copy_(list(works), list(his))  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
+    torch._foreach_add_([w.reshape(-1).view(_I32) for w in works],  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
                         [lo.reshape(-1) for lo in los])
 
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 from torch import nn
 
 from _mpfunc_common.amp_config import AmpPlan
+
+if TYPE_CHECKING:  # imported lazily at run time (see `is_dtensor`)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "is_dtensor",
@@ -35,7 +39,7 @@ __all__ = [
 
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     # A DTensor exists only once torch.distributed.tensor is imported (FSDP2 and
     # parallelize_module import it): importing it here, for every user, would cost
     # about a third of `import torch` (it loads sympy).
@@ -106,7 +110,9 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module, list[tuple[str, n
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
         return []
-    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    # fully_shard swaps each unit's class for a subclass of both FSDPModule and its own.
+    units = [(n, cast(nn.Module, m)) for n, m in model.named_modules()
+             if isinstance(m, FSDPModule)]
     out = []
     for name, unit in units:
         nested = {id(p) for n2, m2 in units if m2 is not unit
@@ -128,7 +134,7 @@ def check_fsdp_units(model: nn.Module, dtype_of: Callable[[nn.Parameter], torch.
     for name, unit, params in fsdp_units(model):
         where = f"`model.{name}`" if name else "`model`"
         try:
-            state = unit._get_fsdp_state()
+            state = cast("FSDPModule", unit)._get_fsdp_state()  # a fully_shard unit
         except (AttributeError, AssertionError):  # pragma: no cover - other torch versions
             state = None
         if getattr(state, "_is_root", None) is not None:

@@ -96,7 +96,7 @@ class StateDtype:
         if rounding not in ROUNDINGS:
             raise ValueError(f"`rounding` must be one of {list(ROUNDINGS)}, got {rounding!r}"
                              f"{did_you_mean(str(rounding), list(ROUNDINGS))}.")
-        names = set(self.dtypes.values()) | {self.default} - {None}
+        names = set(self.dtypes.values()) | ({self.default} if self.default else set())
         if rounding == "stochastic" and names - {"bfloat16", "float32"}:
             raise ValueError("`rounding='stochastic'` is defined for bfloat16 state only (the "
                              "shared rule adds 16 random bits below a bfloat16); got state "
@@ -150,7 +150,7 @@ class StateDtype:
             if scale is not None:
                 st[key + SCALE_SUFFIX] = scale
 
-    def end_(self, params: Iterable[torch.Tensor], step: int, saved: list = ()) -> None:
+    def end_(self, params: Iterable[torch.Tensor], step: int, saved: Sequence = ()) -> None:
         """The float32 state of ``params`` -> stored dtypes (rounded as configured), for
         the step numbered ``step`` (its random bits); 16-bit results go into the stored
         tensors `begin_` returned (``saved``), not new ones."""

@@ -24,7 +24,7 @@ def mark_step_called(optimizer: torch.optim.Optimizer) -> None:
     the call as that wrapper does. Otherwise a correctly ordered loop whose first steps
     overflow (naive starts at 2**32) gets a call-order warning (GradScaler users do)."""
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        optimizer._opt_called = True
+        optimizer._opt_called = True  # pyright: ignore[reportAttributeAccessIssue]  # the scheduler's wrapper sets it on the optimizer too
 
 
 class WrappedOptimizer(torch.optim.Optimizer):

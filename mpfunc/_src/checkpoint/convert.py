@@ -11,7 +11,7 @@ over as it is.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +81,9 @@ def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) ->
     plan = target.plan
     refuse_unwired_storage(plan, "mpfunc.convert_checkpoint", supported=("float32",))
     new_params = target.cast_params(truth)
-    fresh = target.optimizer.init(new_params)  # the target's structure and first state
+    # The target's structure and first state: every mode's outermost transform is the loss
+    # scale (a unit one when AMP is off), so the state is a `LossScaleState`.
+    fresh = cast(LossScaleState, target.optimizer.init(new_params))
     inner = fresh.inner_state
     masters = plan.enabled and plan.master_weights
     if masters:
@@ -93,8 +95,8 @@ def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) ->
     if masters:
         user = MasterWeightsState(master_params=_copy(truth), inner_state=user)
     state = fresh._replace(inner_state=user)
-    if scale is not None and plan.enabled and plan.scale_kind == "dynamic":
-        c = plan.scale_config
+    if (scale is not None and plan.enabled and plan.scale_kind == "dynamic"
+            and (c := plan.scale_config) is not None):
         # The warm start goes on where it was; a source without one is past it.
         warm = state.warm_phase
         if warm is not None:

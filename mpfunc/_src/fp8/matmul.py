@@ -130,11 +130,11 @@ def _gemm(qa, sa, qb, sb, block_a, block_b, dims=_NT):
 def _fwd_impl(x, w, state, recipe, axis_name, out_dtype):
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    st = state if state is not None else Fp8DotState(None, None, None)
+    meta_x, meta_w = (state.input, state.weight) if state is not None else (None, None)
     bx, bw = recipe.block("input"), recipe.block("weight")
-    qx, sx, mx = _quantize(x2, "input", recipe, st.input, axis_name)
+    qx, sx, mx = _quantize(x2, "input", recipe, meta_x, axis_name)
     if bx is None:  # one scale per tensor: w quantised as it is, contracted on dim 0
-        qw, sw, mw = _quantize(w, "weight", recipe, st.weight, axis_name)
+        qw, sw, mw = _quantize(w, "weight", recipe, meta_w, axis_name)
         y = _gemm(qx, sx, qw, sw, None, None, (((1,), (0,)), ((), ())))
     else:           # row / tile scales along the contraction dim: w.T (N, K)
         qw, sw, mw = _quantize(w.T, "weight", recipe, None, axis_name)
@@ -172,7 +172,7 @@ def _dot_bwd(recipe, axis_name, out_dtype, grad_dtypes, res, g):
         qg, sg, mg = _quantize(g2, "grad_output", recipe, meta, axis_name)
         dx = _gemm(qg, sg, qw, sw, None, None)                                 # (M, N) . (K, N)^T
         dw = _gemm(qx, sx, qg, sg, None, None, (((0,), (0,)), ((), ())))      # (M, K)^T . (M, N)
-        new_state = Fp8DotState(mx, mw, mg) if recipe.delayed else None
+        new_state = Fp8DotState(mx, mw, mg) if recipe.delayed and mg is not None else None
         x_shape = (*g.shape[:-1], qx.shape[1])
     else:
         # Each operand quantised with its contraction dim last, as its GEMM needs it.
@@ -253,7 +253,8 @@ def fp8_dot(
     if not recipe.delayed and state is not None:
         raise ValueError(f"`state` is only used by delayed scaling; recipe {recipe.scaling!r} "
                          "computes its scales each step. Pass state=None.")
-    if recipe.delayed and state.input.amax_history.shape != (recipe.amax_history_len,):
+    if (recipe.delayed and isinstance(state, Fp8DotState)
+            and state.input.amax_history.shape != (recipe.amax_history_len,)):
         raise ValueError(f"`state` has an amax history of shape "
                          f"{state.input.amax_history.shape}, the recipe "
                          f"({recipe.amax_history_len},).")

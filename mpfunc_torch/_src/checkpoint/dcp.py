@@ -13,10 +13,12 @@ reshard on load, e.g. from 2 ranks to 4.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree
 from torch import nn
 
 from mpfunc_torch._src.checkpoint import optimizer_state
@@ -99,15 +101,17 @@ class _View(torch.optim.Optimizer):
     """What torch's checkpoint functions see: the inner optimizer over the model's params,
     with each master weight in its param's state. Never steps (see `step`)."""
 
+    state: dict[Any, Any]  # a plain dict here (torch's own is a defaultdict)
+
     def __init__(self, amp: Any):  # not Optimizer.__init__: nothing of its own to set up
         self.amp = amp
         self.inner = amp.optimizer
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = OrderedDict()  # as torch's own
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         master_of = {id(m): m for _, m in amp._pairs}
         self.masters = [master_of.get(id(q)) for q in amp._owned]  # None: no master
         self.param_groups = [

@@ -89,7 +89,8 @@ def master_names(opt: AmpOptimizerParts) -> list[list[str]] | None:
     return [names.get(id(p), []) for p, _ in opt._pairs]
 
 
-def check(opt: AmpOptimizerParts, state_dict: dict[str, Any]) -> tuple[list, list, dict, Any]:
+def check(opt: AmpOptimizerParts,
+          state_dict: dict[str, Any]) -> tuple[list | None, list | None, dict, Any]:
     """Every check of `load`, changing nothing; returns the scaler values, the masters,
     the inner state_dict to load (with this optimizer's implementation flags) and the
     `LowPrecision` values (or None)."""
@@ -130,8 +131,8 @@ def load(opt: AmpOptimizerParts, state_dict: dict[str, Any]) -> None:
         _check_inner_state(state_dict, "state_dict")
         opt.optimizer.load_state_dict(_check_inner_fits(opt.optimizer, state_dict,
                                                         "state_dict"))
-        if low_precision_of(opt) is not None:
-            low_precision_of(opt).after_inner_load_()
+        if (lp := low_precision_of(opt)) is not None:
+            lp.after_inner_load_()
         return
     if isinstance(state_dict, dict) and "_growth_tracker" in state_dict:
         # ... and its GradScaler's state_dict(): the scale and growth tracker continue.
@@ -142,9 +143,9 @@ def load(opt: AmpOptimizerParts, state_dict: dict[str, Any]) -> None:
     values, masters, inner, low = check(opt, state_dict)
     # `check` ran torch's own load on a scratch copy, so this one does not fail.
     opt.optimizer.load_state_dict(inner)
-    if low is not None:
-        low_precision_of(opt).after_inner_load_()
-        low_precision_of(opt).load(low)
+    if low is not None and (lp := low_precision_of(opt)) is not None:  # one with the other
+        lp.after_inner_load_()
+        lp.load(low)
     for s, v in zip(opt._scalers, values or ()):
         s._apply(v)
     if masters is not None:  # else they come from the model's float32 checkpoint
@@ -160,7 +161,7 @@ def grad_scaler_values(scaler: LossScaler, state: dict[str, Any], where: str) ->
     (below this ``growth_interval``), a full hysteresis, no warm start (the run is past
     its start); skip counters stay as they are.
     GradScaler's hyperparameters are checked but not taken, as in its own load."""
-    if scaler.kind != "dynamic":
+    if (c := scaler.config) is None:  # a scale that is not dynamic
         raise ValueError(f"`{where}` is a torch.amp.GradScaler state; it loads into a dynamic "
                          f"loss scale, and this optimizer's scale is {scaler.kind}.")
     missing = [k for k in _GRAD_SCALER_KEYS if k not in state]
@@ -186,7 +187,6 @@ def grad_scaler_values(scaler: LossScaler, state: dict[str, Any], where: str) ->
     if not 0 <= got["_growth_tracker"] < interval:
         raise ValueError(f"`{where}['_growth_tracker']` must be an int in [0, {interval - 1}], "
                          f"got {got['_growth_tracker']!r}.")
-    c = scaler.config
     values = scaler.check_state(scaler.state_dict())
     values.update(loss_scale=min(max(scale, c.min_scale), c.max_scale),
                   growth_tracker=min(got["_growth_tracker"], c.growth_interval - 1),

@@ -10,7 +10,7 @@ that ``state_dict`` saves and restores.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -104,12 +104,13 @@ class Fp8Linear(nn.Linear):
         new_cls = cls if old is nn.Linear else _fsdp_twin(old, cls)
         if new_cls is not None:
             linear.__class__ = new_cls
+            fp8 = cast(Fp8Linear, linear)  # the same object, now of an Fp8Linear class
             try:
-                linear._setup(recipe, process_group, gemm)
+                fp8._setup(recipe, process_group, gemm)
             except BaseException:
                 linear.__class__ = old
                 raise
-            return linear
+            return fp8
         new = cls.from_linear(linear, recipe, process_group=process_group, gemm=gemm)
         for name, value in vars(linear).items():
             if name.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) or (

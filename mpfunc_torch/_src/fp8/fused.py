@@ -85,16 +85,17 @@ def _fp8_cast(x: torch.Tensor, src: torch.Tensor, prev: torch.Tensor | None, nam
     if scale_from == 0:
         scale, out_scale = src, src.new_empty((0,))
     else:
-        fallback = 1.0 if scale_from == 1 else torch.where(
+        # ``prev`` (the last scale) comes with scale_from 2 (`cast_delayed`).
+        fallback = 1.0 if scale_from == 1 or prev is None else torch.where(
             torch.isfinite(prev) & (prev > 0), prev, torch.ones_like(prev))
         scale = out_scale = scale_from_amax(src, name, margin, pow2, fallback)
     q, q_t = cast_pair(x, scale, name, transposed)
-    if transposed and q_t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
+    if q_t is not None and q_t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr():
         q_t = q_t.clone()  # a (m, 1) or (1, n) operand: its transpose is a view of q, and
         #                    a custom op's outputs may not alias each other
     parts = (block_amax(x, (TILE, TILE)).reshape(-1) if partials
              else x.new_empty((0,), dtype=_F32))
-    return q, (q_t if transposed else q.new_empty((0,))), out_scale, parts
+    return q, (q_t if q_t is not None else q.new_empty((0,))), out_scale, parts
 
 
 @_fp8_cast.register_fake
@@ -163,7 +164,8 @@ def cast_given(x2d, scale, name: str, transposed: bool = False):
     return q, (q_t if transposed else None)
 
 
-def cast_current(x2d, name: str, margin: int, pow2: bool, groups, transposed: bool):
+def cast_current(x2d, name: str, margin: int, pow2: bool, groups,
+                 transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Current per-tensor scaling: ``(q, q_t or None, scale)``; the amax is one
     reduction, MAX-reduced over ``groups``, and the scale and cast one kernel."""
     if not fusable(x2d):
@@ -179,7 +181,8 @@ def cast_current(x2d, name: str, margin: int, pow2: bool, groups, transposed: bo
     return q, (q_t if transposed else None), scale
 
 
-def cast_delayed(x2d, history, prev, recipe, name: str, groups, transposed: bool):
+def cast_delayed(x2d, history, prev, recipe, name: str, groups,
+                 transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Delayed scaling: the scale from ``history`` and the last scale ``prev`` alone,
     the cast, and this step's amax recorded (``history`` and ``prev`` updated in
     place): ``(q, q_t or None, scale)``."""
@@ -188,8 +191,9 @@ def cast_delayed(x2d, history, prev, recipe, name: str, groups, transposed: bool
         fallback = torch.where(torch.isfinite(prev) & (prev > 0), prev, torch.ones_like(prev))
         scale = scale_from_amax(used, name, recipe.margin, recipe.power_of_2_scales, fallback)
         amax = block_amax(x2d, None)  # independent of the cast: one pass under compile
-        if hasattr(amax, "full_tensor"):  # a DTensor operand (tensor parallelism): its
-            amax = amax.full_tensor()     # amax over the whole tensor, as recorded
+        full = getattr(amax, "full_tensor", None)
+        if full is not None:  # a DTensor operand (tensor parallelism): its
+            amax = full()     # amax over the whole tensor, as recorded
         _record(history, prev, all_reduce_max(amax, groups), scale)
         return (*cast_pair(x2d, scale, name, transposed), scale)
     q, q_t, scale, parts = torch.ops.mpfunc.fp8_cast(
@@ -207,7 +211,8 @@ def _record(history, prev, amax, scale) -> None:
     prev.copy_(scale)
 
 
-def quantize_blocks(x2d, name: str, block, margin: int, pow2: bool):
+def quantize_blocks(x2d, name: str, block, margin: int,
+                    pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Row or tile scales with current scaling: ``(q, scale)``, ``q`` row-major."""
     rows, cols = block
     if rows is None or not fusable(x2d):

@@ -67,7 +67,7 @@ def _quantize_pair(x2d, layer, role: str, recipe: Fp8Recipe, groups, transposed:
     else:
         q, q_t, scale = cast_current(x2d, name, recipe.margin, recipe.power_of_2_scales,
                                      groups, transposed)
-    return _Operand(q, scale, None), (_Operand(q_t, scale, None) if transposed else None)
+    return _Operand(q, scale, None), (_Operand(q_t, scale, None) if q_t is not None else None)
 
 
 def _gemm(a: _Operand, b: _Operand, out_dtype, use_scaled_mm: bool, bias=None,
@@ -137,7 +137,7 @@ class _Fp8Linear(torch.autograd.Function):
                 qg, qg_t = _quantize_pair(g2, layer, "grad_output", recipe, groups, need_dw)
                 if need_dx:
                     dx = _gemm(qg, _Operand(qw_t, sw, None), ctx.x_dtype, use_mm)
-                if need_dw:
+                if qg_t is not None:  # asked for exactly when need_dw
                     dw = _gemm(qg_t, _Operand(qx_t, sx, None), ctx.w_dtype, use_mm)
             else:
                 # Each operand quantised with its contraction dim last, as its GEMM needs.

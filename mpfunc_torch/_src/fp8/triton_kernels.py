@@ -28,6 +28,7 @@ import contextlib
 
 import torch
 import triton
+import triton.knobs
 import triton.language as tl
 
 from _mpfunc_common.fp8 import FP8_MAX, MAX_SCALE, scale_shape
@@ -43,7 +44,8 @@ _RULE_ARGS = ["FMAX", "MBITS", "BIAS", "NAN", "PINF", "NINF", "MARGIN", "MAX_SCA
 _OPTIONS = dict(enable_fp_fusion=False)
 
 
-def _rule_args(name: str, margin: int, pow2: bool) -> tuple:
+def _rule_args(name: str, margin: int,
+               pow2: bool) -> tuple[float, int, int, int, int, int, float, float, int]:
     mbits, bias, nan, pinf, ninf = _FORMAT[name]
     return (FP8_MAX[name], mbits, bias, nan, pinf, ninf, float(2.0**margin), MAX_SCALE[name],
             int(pow2))
@@ -139,13 +141,13 @@ def cast_per_tensor(x, src, prev, name: str, margin: int, pow2: bool, scale_from
     q_t = torch.empty((n, m) if transposed else (0,), dtype=dtype, device=x.device)
     scale = torch.empty(() if scale_from else (0,), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, tile), triton.cdiv(n, tile))
-    parts = torch.empty((grid[0] * grid[1],) if partials else (0,), dtype=torch.float32,
+    parts = torch.empty((grid[0] * grid[1],) if partials else (0,), dtype=torch.float32,  # pyright: ignore[reportCallIssue, reportArgumentType]  # triton.cdiv is typed as returning a constexpr; on the host it is an int
                         device=x.device)
     with _on(x):
         _cast_per_tensor_kernel[grid](
             x, q.view(torch.uint8), q_t.view(torch.uint8), src, src if prev is None else prev,
             scale, parts, m, n, x.stride(0), x.stride(1), *_rule_args(name, margin, pow2),
-            scale_from, int(transposed), int(partials), BM=tile, BN=tile, **_OPTIONS)
+            scale_from, int(transposed), int(partials), BM=tile, BN=tile, **_OPTIONS)  # pyright: ignore[reportArgumentType]  # triton types tl.constexpr params as constexpr; a launch passes Python values
     return q, q_t, scale, parts
 
 
@@ -218,7 +220,7 @@ def quantize_blocks(x, name: str, rows: int, cols: int, margin: int, pow2: bool)
     with _on(x):
         _quantize_blocks_kernel[grid](
             x, q.view(torch.uint8), s, m, k, x.stride(0), x.stride(1), rows if tile else rb,
-            cols, grid[1], *_rule_args(name, margin, pow2), TILE_ROWS=tile, RB=rb,
+            cols, grid[1], *_rule_args(name, margin, pow2), TILE_ROWS=tile, RB=rb,  # pyright: ignore[reportArgumentType]  # triton types tl.constexpr params as constexpr; a launch passes Python values
             CHUNK=chunk, **_OPTIONS)
     return q, s
 
@@ -249,4 +251,4 @@ def record_amax(hist, prev, parts, scale) -> None:
     tile amaxes ``parts`` if it is finite; ``prev`` gets ``scale``."""
     with _on(hist):
         _record_amax_kernel[(1,)](hist, hist.numel(), parts, parts.numel(), scale, prev,
-                                  BLOCK=1024, **_OPTIONS)
+                                  BLOCK=1024, **_OPTIONS)  # pyright: ignore[reportArgumentType]  # triton types tl.constexpr params as constexpr; a launch passes Python values

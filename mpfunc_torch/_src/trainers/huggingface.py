@@ -196,6 +196,9 @@ class AmpTrainer(transformers.Trainer):
         optimizer = super().create_optimizer()
         while isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
+        if self.model is None:  # HF sets it from `model` or `model_init` before this
+            raise ValueError("AmpTrainer needs a model: give the Trainer `model=` or "
+                             "`model_init=`.")
         (amp_optimizer,) = self._amp.convert(self.model, [optimizer])
         self.optimizer = _StepAwareOptimizer(amp_optimizer)
         self.accelerator.scaler = _AmpScaler(amp_optimizer)

@@ -40,7 +40,7 @@ def _packages() -> tuple[list[type], list[type]]:
             continue
         bases.append(package.plugins.precision.Precision)
         modules.append(package.LightningModule)
-    if not bases:
+    if not bases and error is not None:  # neither package imports
         raise missing_extra_error("mpfunc_torch.lightning (the Lightning precision plugin)",
                                   "lightning", error)
     return bases, modules
@@ -162,8 +162,8 @@ class AmpPrecision(*_BASES):
         """Converts the ``LightningModule`` under ``model`` and ``optimizers`` (once)."""
         module = model
         while not isinstance(module, tuple(_MODULES)) and isinstance(
-                getattr(module, "module", None), nn.Module):
-            module = module.module  # a strategy's wrapper (DistributedDataParallel)
+                inner := getattr(module, "module", None), nn.Module):
+            module = inner  # a strategy's wrapper (DistributedDataParallel)
         params = list(module.parameters())
         if params:
             self._device_type = params[0].device.type
@@ -212,8 +212,9 @@ class AmpPrecision(*_BASES):
 
     def convert_input(self, data: Any) -> Any:
         """Floating tensors of a batch in the params' half dtype (naive, apex O2/O3)."""
-        if self._amp.half_params and self._amp.module is not None:
-            return cast_floats(data, DTYPES[self._amp.plan.cast_model_type])
+        half = self._amp.plan.cast_model_type  # set where half_params
+        if self._amp.half_params and self._amp.module is not None and half is not None:
+            return cast_floats(data, DTYPES[half])
         return data
 
     # -- backward and step --------------------------------------------------------------
