@@ -79,7 +79,8 @@ MODES = {
     "bf16-stochastic": ("bf16", {"master_weights": "stochastic", "state_dtype": "bfloat16"}),
     "fp8": ("fp8", {}),
 }
-DEFAULT_MODES = ["torch", "apex-O1", "apex-O2", "naive", "bf16", "fp8"]
+DEFAULT_MODES = ["torch", "apex-O1", "apex-O2", "naive", "bf16", "bf16-remainder",
+                 "bf16-stochastic", "fp8"]
 
 
 # ------------------------------------------------------------------------- torch model
@@ -339,12 +340,14 @@ def run_torch(name, cfg, data, evals):
     if dev.type == "cuda":
         mem, mem_kind = torch.cuda.max_memory_allocated() - base_mem, "peak"
     else:
-        tensors = [p for p in net.parameters()] + [p.grad for p in net.parameters()]
-        tensors += [m for _, m in opt._pairs] + [m.grad for _, m in opt._pairs]
-        tensors += [v for st in opt.optimizer.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor)]
-        mem = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        mem_kind = "state"
+        # Params, masters (or what stands in for them: remainders, compensation), the
+        # optimizer state, each buffer counted once, from the buffers; plus the grads.
+        from mpfunc_torch._src.low_precision import persistent_bytes
+
+        grads = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                 for g in [p.grad for p in net.parameters()] + [m.grad for _, m in opt._pairs]
+                 if g is not None}
+        mem, mem_kind = persistent_bytes(opt, net) + sum(grads.values()), "state"
     metrics = opt.scale_metrics(as_python=True)
 
     def timed(n, start):
