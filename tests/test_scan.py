@@ -93,6 +93,8 @@ BODY_DOTS = {
     "fp32": {(F32, F32): 18},
     **{m: {(F16, F16): 18} for m in ("torch", "apex-O1", "apex-O2", "apex-O3", "naive")},
     "bf16": {(BF16, BF16): 18, (F32, F32): 18},
+    # bfloat16 params without float32 masters: the dots of bf16 mode's step.
+    **{m: {(BF16, BF16): 18, (F32, F32): 18} for m in ("bf16-remainder", "bf16-stochastic")},
     # fp8: every dense GEMM (forward, dx, dw); attention's products under bf16 autocast.
     "fp8": {(E4, E4): 4, (E5, E4): 4, (E4, E5): 4, (BF16, BF16): 6, (F32, F32): 6},
 }
@@ -177,11 +179,13 @@ def test_every_mode_trains_a_scanned_model_like_the_unrolled_one(name):
     # a fusion, and a scan body is fused apart from its surroundings (plain JAX in
     # float16 differs as much between the two; measured here: gradients 1.6e-3 of their
     # largest apart, losses 1.4e-5).
+    # bfloat16 params (8 significant bits to float16's 11) round 8x coarser still.
     half = name in ("torch", "apex-O1", "apex-O2", "apex-O3", "naive")
-    np.testing.assert_allclose(l_s, l_u, rtol=1e-4 if half else 1e-6)
+    bf16_params = name in ("bf16-remainder", "bf16-stochastic")
+    rtol, atol = (1e-4, 5e-3) if half else (1e-3, 4e-2) if bf16_params else (1e-6, 1e-5)
+    np.testing.assert_allclose(l_s, l_u, rtol=rtol)
     for a, b in zip(jax.tree.leaves(mu_s), jax.tree.leaves(mu_u)):
-        np.testing.assert_allclose(a, b, rtol=0, atol=(5e-3 if half else 1e-5)
-                                   * float(jnp.abs(b).max()))
+        np.testing.assert_allclose(a, b, rtol=0, atol=atol * float(jnp.abs(b).max()))
 
 
 def test_apex_o2_norm_params_enter_control_flow_in_float32():
