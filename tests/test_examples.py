@@ -258,8 +258,9 @@ def test_compare_modes(tmp_path):
     assert (tmp_path / "compare_modes.png").stat().st_size > 10_000
     table = out.split("Cross-framework parity")[0]
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln]
-    # The header and fp32 + the six default modes (fp8 included) in each framework.
-    assert "speed vs strict fp32 (min-max)" in rows[0] and len(rows) == 15
+    # The header and fp32 + the eight default modes (fp8 and the two no-master ones
+    # included) in each framework.
+    assert "speed vs strict fp32 (min-max)" in rows[0] and len(rows) == 19
     for row in rows[1:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
         median, lo, hi = map(float, re.fullmatch(r"(\S+)x \((\S+)-(\S+)\)( unreliable)?",
@@ -270,7 +271,7 @@ def test_compare_modes(tmp_path):
     assert "median of 5 timing rounds of 5 steps" in out
     parity = out.split("Cross-framework parity")[1]
     rows = [ln for ln in parity.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
-    assert len(rows) == 7  # fp32 + the six default modes
+    assert len(rows) == 9  # fp32 + the eight default modes
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1] == "yes" and cells[2] == "yes", row  # identical scale trajectories
