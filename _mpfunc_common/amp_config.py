@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from _mpfunc_common.apex_lists import APEX_O1_FP16_FUNCTIONS, APEX_O1_FP32_FUNCTIONS
 from _mpfunc_common.fp8 import Fp8Recipe, resolve_recipe
 from _mpfunc_common.scale_config import (
     FLOAT32_MAX,
@@ -96,29 +97,6 @@ APEX_OPT_LEVELS: dict[str, dict[str, Any]] = {
                keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
 }
 
-# apex O1's lists (apex/amp/lists), by function name. The fp32 list is enforced on top
-# of the framework's autocast wherever the autocast would run the function in half.
-APEX_O1_FP16_FUNCTIONS = (
-    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-    "conv_transpose3d", "linear", "prelu", "addmm", "addmv", "addr", "matmul", "mm", "mv",
-    "addbmm", "baddbmm", "bmm",
-)
-APEX_O1_FP32_FUNCTIONS = (
-    # pointwise
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "reciprocal",
-    "rsqrt", "sinh", "tan", "pow", "softplus", "softmin", "softmax", "log_softmax",
-    # reductions
-    "cumprod", "cumsum", "dist", "norm", "prod", "std", "sum", "var", "renorm",
-    # normalisation
-    "layer_norm", "group_norm", "local_response_norm", "normalize", "cosine_similarity",
-    # losses
-    "binary_cross_entropy", "poisson_nll_loss", "cosine_embedding_loss", "cross_entropy",
-    "hinge_embedding_loss", "kl_div", "l1_loss", "mse_loss", "margin_ranking_loss",
-    "multilabel_margin_loss", "multilabel_soft_margin_loss", "multi_margin_loss",
-    "nll_loss", "binary_cross_entropy_with_logits", "smooth_l1_loss", "soft_margin_loss",
-    "triplet_margin_loss",
-)
-
 _DTYPE_NAMES = {
     "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
     "torch.float16": "float16", "torch.half": "float16",
@@ -196,6 +174,14 @@ class AmpPlan:
     def __post_init__(self):
         if self.master_weights and self.master_storage is None:
             object.__setattr__(self, "master_storage", "float32")
+
+    @property
+    def keeps_masters(self) -> bool:
+        """Whether the optimizer steps float32 masters in place of half params (kept as
+        float32 tensors, or below float32 by a bf16 storage: remainder, kahan,
+        stochastic)."""
+        return self.enabled and (self.master_weights
+                                 or self.master_storage not in (None, "float32"))
 
     def describe(self) -> str:
         if not self.enabled:

@@ -140,8 +140,7 @@ def function_mode(plan) -> str | None:
     if plan.apex_fp32_functions and plan.autocast_dtype is not None:
         return "o1"
     if plan.cast_model_type in ("float16", "bfloat16") and plan.autocast_dtype is None:
-        masters = plan.master_weights or plan.master_storage not in (None, "float32")
-        return "half" if masters else "half-pure"
+        return "half" if plan.keeps_masters else "half-pure"
     return None
 
 

@@ -24,9 +24,9 @@ __all__ = ["keeps_masters", "check_storage_plan", "apply_storage"]
 
 def keeps_masters(plan: Any) -> bool:
     """Whether the converted optimizer steps float32 masters (kept as float32 tensors, or
-    below float32 by `apply_storage`) in place of the model's half params."""
-    return plan.enabled and (plan.master_weights
-                             or plan.master_storage not in (None, "float32"))
+    below float32 by `apply_storage`) in place of the model's half params
+    (`AmpPlan.keeps_masters`)."""
+    return plan.keeps_masters
 
 
 def _lowers(plan: Any) -> bool:
