@@ -134,6 +134,7 @@ def test_precision_report(tmp_path):
                               "+ report + watch"} and min(times.values()) > 0
 
 
+@pytest.mark.slow  # a child per mode, about 8 s; test_low_precision measures the same buffers
 def test_torch_memory(tmp_path):
     out = tmp_path / "r.json"
     run_script("torch_memory.py", "--width", "64", "--depth", "3", "--batch", "4",
@@ -215,6 +216,7 @@ def test_torch_function_mode(tmp_path):
     assert set(r["one_dtype_rule_forward_ratio"]) == {"naive", "apex O3"}
 
 
+@pytest.mark.slow  # every torch mode in one process, about 16 s; test_torch_modes_without_peaks stays
 def test_torch_modes_in_process_peaks_free_each_variant_first(monkeypatch):
     # The CUDA path (one process, peak stats reset per variant), run on CPU with a meter
     # that checks, at each reset, that no model built before it is still alive.
@@ -284,6 +286,7 @@ def test_jax_compile_depth(tmp_path):
     assert "| fp32 | scan |" in stdout
 
 
+@pytest.mark.slow  # a child compiling every mesh, about 8 s
 def test_jax_sharding_with_the_compile_cache_off(tmp_path):
     env_cache = Path(os.environ["MPFUNC_JAX_CACHE"])
     before = set(env_cache.iterdir()) if env_cache.exists() else set()
@@ -354,6 +357,7 @@ def test_jax_scale_cost_transformer(tmp_path):
     assert {row["compiles"] for row in depth["rows"].values()} == {1}
 
 
+@pytest.mark.slow  # a jax_scale_cost run, about 11 s; test_jax_scale_cost_names_an_unknown_variant stays
 def test_jax_scale_cost_without_jmp_skips_its_row(tmp_path):
     # The CUDA image has no jmp: its row is left out with a note, the rest still runs.
     out = tmp_path / "r.json"
@@ -447,6 +451,7 @@ def test_fp8_gpt_and_dot_models(tmp_path):
     assert f"| jax | tensorwise | {g} |" in r["markdown"]
 
 
+@pytest.mark.slow  # about 9 s; test_fp8_budget_skips_a_variant_that_would_not_fit stays
 def test_fp8_time_limit_stops_the_running_variant_and_keeps_the_json(tmp_path):
     out = tmp_path / "r.json"
     run_script("fp8.py", "--quick", "--model", "gpt", "--frameworks", "torch", "--recipes",
@@ -501,6 +506,7 @@ def test_fp8_dot_baseline_keeps_the_cotangent_in_bfloat16(monkeypatch):
                if e.primitive.name == "dot_general" for v in e.invars)
 
 
+@pytest.mark.slow  # every recipe timed, about 10 s; test_fp8_time_budget_skips_and_records stays
 def test_fp8_eager(tmp_path):
     # Ops counts are exact (dispatch-mode counts); times only have to be there.
     out = tmp_path / "r.json"
@@ -563,6 +569,7 @@ def test_compiler_options_presets_and_pairs():
         compiler_options("fast")
 
 
+@pytest.mark.slow  # several child processes compiling the demo, about 30 s
 def test_jax_gpu_compile_tiny_on_cpu(tmp_path):
     # The GPU benchmark's pipeline at a tiny size: each option set in its own child, the
     # demo's step (through compare_modes.run_jax) and the fp8 / bf16 dots cold and warm, an
@@ -628,6 +635,7 @@ def test_import_time(tmp_path):
     assert "--modules: unknown ['tensorflow']; choose from ['torch'," in proc.stderr
 
 
+@pytest.mark.slow  # four HF trainings, about 11 s
 def test_hf_trainer(tmp_path):
     # The Trainer's own fp16=True against AmpTrainer, tiny GPT-2 on CPU (the GPU run is
     # GPT-2 small at batch 8 x 1024): every variant trains and is timed.

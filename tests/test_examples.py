@@ -46,6 +46,7 @@ def test_quickstart_torch():
     assert "two optimizers: stepped True and True" in out
 
 
+@pytest.mark.slow  # Linen and NNX end to end, about 11 s; test_flax_policy and test_flax_transformers check the same dtypes in process
 def test_flax_policies():
     out = run("flax_policies.py")
     assert "LayerNorm scale float32" in out and "Dense kernel float16" in out
@@ -54,6 +55,7 @@ def test_flax_policies():
     assert "NNX: matmuls ['bf16 x bf16', 'bf16 x bf16'] | output float32" in out
 
 
+@pytest.mark.slow  # both frameworks' overflow hunt end to end, about 15 s; find_overflow's functions are tested in process (test_nonfinite_watch*)
 def test_find_overflow(tmp_path):
     out = run("find_overflow.py", "--out", str(tmp_path))
     for framework in ("torch", "jax"):
@@ -95,6 +97,7 @@ def test_compare_modes_cuda_without_a_gpu_is_a_clear_error():
     assert "--device cpu" in out.stderr and out.stdout == ""
 
 
+@pytest.mark.slow  # two meshes of 8 devices, about 12 s; test_sharding holds FSDP skips and master bytes in process
 def test_jax_fsdp():
     out = run("jax_fsdp.py")
     # FSDP under jit: an inf in one device's gradient shard, no axis_name, all 8 skip.
@@ -125,6 +128,7 @@ def test_torch_distributed():
     assert "disagree" not in with_group and "disagree" in without
 
 
+@pytest.mark.slow  # the demo timed in two modes, about 45 s; every example run in the default suite checks its steps compile once (run's recompile check)
 def test_compare_modes_compiles_each_jax_step_once(tmp_path):
     # Counted by XLA's own compile events (jax.monitoring), per jitted function: a second
     # compile of a step (a cache miss, e.g. uncommitted arrays coming back committed)
@@ -278,6 +282,7 @@ def test_compare_modes(tmp_path):
         assert float(cells[3]) < 0.05, row
 
 
+@pytest.mark.slow  # five Booster trainings, about 10 s; test_booster holds every Booster name in process
 def test_booster_tutorial():
     """Colossal-AI's Booster tutorial loop (Steps 3-5) runs on mpfunc_torch: every
     Booster name trains, the scheduler's warmup/decay reaches the wrapped optimizer, and
@@ -322,6 +327,7 @@ def _rows(out):
             and not r.startswith("| mode")}
 
 
+@pytest.mark.slow  # six Lightning trainings, about 18 s; test_lightning_plugin trains Lightning's own example in every mode
 def test_lightning_amp():
     out = run("lightning_amp.py")
     rows = _rows(out)

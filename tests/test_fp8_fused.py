@@ -240,6 +240,7 @@ def run_interpreted(*files):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="runs the interpreter itself")
+@pytest.mark.slow  # triton's interpreter in a child, about 23 s; the kernels' torch references stay
 def test_triton_kernels_under_the_interpreter():
     # This file again, with the Triton kernels doing every quantisation (interpreted
     # on CPU): the reference path's bits in every recipe, one launch per op.

@@ -148,6 +148,7 @@ def test_import_mpfunc_torch_without_torch_names_the_extra():
 TRAINERS = "pytorch_lightning,lightning,lightning_fabric,transformers,accelerate"
 
 
+@pytest.mark.slow  # imports every trainer stack in children, about 12 s; test_public_api's no-other-framework checks stay
 def test_import_mpfunc_torch_loads_no_trainer():
     # The trainers are imported only by their own modules, when asked for.
     out = run_without("", "import sys\nimport mpfunc_torch\n", loaded_check(TRAINERS),
@@ -367,6 +368,7 @@ def test_ci_runs_every_step_in_a_clone_named_mpfunc(tmp_path):
     assert list(tmp.iterdir()) == []  # the clone is gone
 
 
+@pytest.mark.slow  # a second pytest collecting the whole suite, about 23 s
 def test_pytest_collects_without_triton_and_skips_its_module_saying_why():
     # The doctest collector imports every module; fp8/triton_kernels.py imports Triton, which
     # only the `triton` extra (or a CUDA torch) brings. Without it the run goes on.

@@ -54,6 +54,7 @@ _PROGRAM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a child importing everything under -OO, about 20 s; the docstring checks of this file stay
 def test_imports_and_trains_under_python_OO():
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
