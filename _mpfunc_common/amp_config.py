@@ -22,7 +22,7 @@ from _mpfunc_common.scale_config import (
     resolve_scale_config,
     to_float32,
 )
-from _mpfunc_common.storage import resolve_bf16_storage
+from _mpfunc_common.storage import refuse_storage_elsewhere, resolve_bf16_storage
 from _mpfunc_common.suggest import did_you_mean
 
 __all__ = [
@@ -246,8 +246,7 @@ def _check_keys(mode: str, config: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(
             f"unknown config key(s) {unknown} for mode {mode!r}{did_you_mean(unknown, valid)}; "
-            f"valid keys for this mode: {sorted(valid) if valid else 'none'}."
-        )
+            f"valid keys for this mode: {sorted(valid) if valid else 'none'}.")
     merged = dict(valid)
     merged.update(config)
     return merged
@@ -265,6 +264,7 @@ def resolve_amp(mode: Any, config: Mapping[str, Any]) -> AmpPlan:
     if not isinstance(mode_name, str) or mode_name.lower() not in MODES:
         raise ValueError(f"`mode` must be one of {list(MODES)}, got {mode!r}.")
     mode_name = mode_name.lower()
+    refuse_storage_elsewhere(mode_name, config)
     cfg = _check_keys(mode_name, config)
     if "enabled" in cfg and not _bool(cfg, "enabled"):
         # A disabled mode still gets every value checked, so that turning it on later

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 __all__ = [
+    "CANCEL_RULE",
     "FIELDS",
     "FORMATS",
     "LEAF_RULE",
@@ -30,7 +31,8 @@ __all__ = [
     "worst_first",
 ]
 
-# The per-leaf fields of a row, after its ``name``.
+# The per-leaf fields of a row, after its ``name``; ``update_cancelled`` follows them
+# when the report is given the updates.
 FIELDS = ("nonfinite", "amax", "zero_fraction", "underflow_fraction", "headroom_bits")
 
 # The rule, shared word for word by the JAX and torch docstrings.
@@ -53,6 +55,19 @@ LEAF_RULE = """\
     fits in dtype: it would overflow to inf. Zeros are counted by their bits: XLA on
     CPU reads a float32 subnormal as 0 in arithmetic, torch does not, so such a value
     is an underflow (not a zero) in both.
+"""
+
+# The update column's rule, shared word for word by the JAX and torch docstrings.
+CANCEL_RULE = """\
+    # per leaf given an update u and its stored param p (local shards, then SUM-reduced)
+    new = round_to(p.dtype, float32(p) + float32(u))   # to nearest even: p + u as applied
+    updated = count(u != 0)
+    cancelled = count(u != 0 and new == p)              # p does not move: u rounded away
+    update_cancelled = cancelled / updated              # 0.0 when u is all zero
+
+    An update below half an ulp of its param (2**-8 at 1.0 in bfloat16, 2**-11 in
+    float16) is always cancelled. XLA on CPU flushes float32 subnormals (in p or u) to
+    zero, which torch does not.
 """
 
 
@@ -144,13 +159,23 @@ class _HostNumbers(Protocol):
     def __getitem__(self, i: int, /) -> Any: ...
 
 
+def _cancelled(updated: int, cancelled: int) -> float | None:
+    if updated < 0:  # no update given for this leaf
+        return None
+    return cancelled / updated if updated else 0.0
+
+
 def leaf_rows(names: Sequence[str], nonfinite: _HostNumbers, amax: _HostNumbers,
               zeros: _HostNumbers, underflows: _HostNumbers, sizes: _HostNumbers,
-              scale: float, fmt: FloatFormat) -> list[dict[str, Any]]:
-    """One dict per leaf, in the order given: ``name`` and the `FIELDS` (`LEAF_RULE`).
+              scale: float, fmt: FloatFormat,
+              updates: tuple[_HostNumbers, _HostNumbers] | None = None
+              ) -> list[dict[str, Any]]:
+    """One dict per leaf, in the order given: ``name`` and the `FIELDS` (`LEAF_RULE`),
+    then ``update_cancelled`` (`CANCEL_RULE`) when ``updates`` are given.
 
     The inputs are host numbers (lists or NumPy arrays), one per leaf; ``scale`` is the
-    loss scale as a float (a float32 value).
+    loss scale as a float (a float32 value); ``updates`` is ``(updated, cancelled)``,
+    the counts of `CANCEL_RULE` (``updated < 0``: no update for that leaf, None).
     """
     rows = []
     for i, name in enumerate(names):
@@ -164,6 +189,8 @@ def leaf_rows(names: Sequence[str], nonfinite: _HostNumbers, amax: _HostNumbers,
             "underflow_fraction": u / nonzero if nonzero > 0 else 0.0,
             "headroom_bits": _headroom(a, float(scale), fmt),
         })
+        if updates is not None:
+            rows[-1]["update_cancelled"] = _cancelled(int(updates[0][i]), int(updates[1][i]))
     return rows
 
 
@@ -179,8 +206,8 @@ def nonfinite_names(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [r["name"] for r in rows if r["nonfinite"]]
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def format_table(rows: Sequence[dict[str, Any]], scale: float, fmt: FloatFormat,
@@ -191,11 +218,14 @@ def format_table(rows: Sequence[dict[str, Any]], scale: float, fmt: FloatFormat,
             f"non-finite: {len(bad)}")
     if watched:
         head += f", first non-finite module in the forward: {first_module}"
-    cells = [("leaf", "non-finite", "amax", "headroom bits", "underflow", "zeros")]
+    cancel = any("update_cancelled" in r for r in rows)
+    cells = [("leaf", "non-finite", "amax", "headroom bits", "underflow", "zeros")
+             + (("update cancelled",) if cancel else ())]
     for r in worst_first(rows):
         cells.append((r["name"], "yes" if r["nonfinite"] else "no", f"{r['amax']:.4g}",
                       f"{r['headroom_bits']:.2f}", _pct(r["underflow_fraction"]),
-                      _pct(r["zero_fraction"])))
+                      _pct(r["zero_fraction"]))
+                     + ((_pct(r.get("update_cancelled")),) if cancel else ()))
     widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
     lines = [head] + ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                 for i, (c, w) in enumerate(zip(row, widths))).rstrip()

@@ -26,9 +26,10 @@ stochastic     nothing                 10          6            4 + scales
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import Any, Literal, overload
 
-from _mpfunc_common.suggest import did_you_mean
+from _mpfunc_common.suggest import closest, did_you_mean
 
 __all__ = [
     "MASTER_STORAGES",
@@ -44,6 +45,7 @@ __all__ = [
     "check_state_rounding",
     "check_seed",
     "check_storage_combination",
+    "refuse_storage_elsewhere",
     "refuse_unwired_storage",
     "resolve_bf16_storage",
     "rounds_stochastically",
@@ -238,6 +240,41 @@ def resolve_bf16_storage(config: dict[str, Any]) -> dict[str, Any]:
         return {**out, "autocast_dtype": "bfloat16"}
     return {**out, "cast_model_type": "bfloat16", "cast_model_outputs": "float32",
             "master_weights": storage == "float32"}
+
+
+# What each other mode does with its params, for `refuse_storage_elsewhere`.
+_OTHER_MODES = {
+    "apex": "apex's `master_weights` is a bool (True: O2's float32 masters)",
+    "naive": "naive keeps float16 params with float32 masters, always",
+}
+
+
+def refuse_storage_elsewhere(mode: str, config: Mapping[str, Any]) -> None:
+    """An error pointing to mode "bf16" if ``config`` gives a mode other than "bf16" a
+    storage name (or a near miss of one) as ``master_weights``: only mode "bf16" keeps
+    params without float32 masters. A TypeError for apex (its key is a bool), a
+    ValueError for the modes without the key. Nothing otherwise (other values meet the
+    mode's own checks).
+
+    Examples:
+      >>> refuse_storage_elsewhere("apex", {"opt_level": "O2", "master_weights": "kahan"})
+      Traceback (most recent call last):
+      ...
+      TypeError: `master_weights` must be a bool with mode 'apex', got 'kahan': the storages ['float32', 'remainder', 'kahan', 'stochastic'] belong to mode 'bf16', and apex's `master_weights` is a bool (True: O2's float32 masters). For bfloat16 params stored that way, use mode="bf16", master_weights='kahan'.
+    """
+    value = config.get("master_weights")
+    if mode == "bf16" or not isinstance(value, str) or value in ("True", "False"):
+        return
+    fix = value if value in MASTER_STORAGES else closest(value, MASTER_STORAGES)
+    if fix is None:
+        return
+    where = _OTHER_MODES.get(mode, f"mode {mode!r} keeps float32 params (autocast)")
+    expected = "a bool" if mode == "apex" else "absent"
+    # apex has the key (a bool: a string is the wrong type); the others do not have it.
+    raise (TypeError if mode == "apex" else ValueError)(
+        f"`master_weights` must be {expected} with mode {mode!r}, got {value!r}: the "
+        f"storages {list(MASTER_STORAGES)} belong to mode 'bf16', and {where}. For bfloat16 "
+        f"params stored that way, use mode=\"bf16\", master_weights={fix!r}.")
 
 
 def refuse_unwired_storage(plan: Any, where: str, supported: tuple[str, ...] = ()) -> None:

@@ -149,3 +149,26 @@ def test_bf16_storage_errors(cfg, err, match):
 def test_bf16_storage_combinations_that_take_effect(cfg):
     plan = resolve_amp("bf16", cfg)
     assert plan.seed == cfg.get("seed", 0)
+
+
+@pytest.mark.parametrize("mode, cfg, err, fix", [
+    ("apex", {"opt_level": "O2", "master_weights": "remainder"}, TypeError, "remainder"),
+    ("apex", {"opt_level": "O1", "master_weights": "stochastic"}, TypeError, "stochastic"),
+    ("naive", {"master_weights": "kahan"}, ValueError, "kahan"),
+    ("torch", {"master_weights": "kahn"}, ValueError, "kahan"),  # a near miss: the closest
+    ("fp8", {"master_weights": "float32"}, ValueError, "float32"),
+    ("torch", {"enabled": False, "master_weights": "remainder"}, ValueError, "remainder"),
+])
+def test_a_storage_given_to_another_mode_points_to_bf16(mode, cfg, err, fix):
+    expected = "a bool" if mode == "apex" else "absent"
+    with pytest.raises(err, match=(
+            rf"^`master_weights` must be {expected} with mode '{mode}', got "
+            rf"'{cfg['master_weights']}': the storages \['float32', 'remainder', 'kahan', "
+            rf"'stochastic'\] belong to mode 'bf16', and .*\. For bfloat16 params stored that "
+            rf"way, use mode=\"bf16\", master_weights='{fix}'\.$")):
+        resolve_amp(mode, cfg)
+    # What is not a storage keeps the mode's own error.
+    with pytest.raises(TypeError, match=r"`master_weights` must be a bool or None, got str"):
+        resolve_amp("apex", {"opt_level": "O2", "master_weights": "yes"})
+    assert resolve_amp("apex", {"opt_level": "O2", "master_weights": "True"}).master_weights
+

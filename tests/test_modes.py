@@ -304,6 +304,7 @@ def test_injected_inf_skips_in_every_scaled_mode():
     ("torch", {"hysteresis": 2}, "unknown config key"),
     ("apex", {"opt_level": "O9"}, "`opt_level` must be one of"),
     ("naive", {"min_scale": 4.0, "max_scale": 2.0, "initial_scale": 2.0}, "`min_scale`"),
+    ("naive", {"master_weights": "kahan"}, r"use mode=\"bf16\", master_weights='kahan'"),
 ])
 def test_errors(mode, cfg, match):
     with pytest.raises(ValueError, match=match):
@@ -315,6 +316,10 @@ def test_type_errors():
         mpfunc.convert_to_amp(None, optax.sgd(0.1))
     with pytest.raises(TypeError, match="`optimizer` must be an optax"):
         mpfunc.convert_to_amp(apply, "adam")
+    with pytest.raises(TypeError, match=r"`master_weights` must be a bool with mode 'apex'.*"
+                                        r"use mode=\"bf16\", master_weights='remainder'"):
+        mpfunc.convert_to_amp(apply, optax.sgd(0.1), mode="apex", opt_level="O2",
+                              master_weights="remainder")
 
 
 def test_is_norm_param():

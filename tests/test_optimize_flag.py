@@ -1,9 +1,9 @@
 """Both packages import and train under ``python -OO``, where every docstring is None.
 
-Docstrings are literals: a shared rule (`UPDATE_RULE`, `QUANTIZE_RULE`, `LEAF_RULE`) is
-written out in each docstring that shows it, and the tests below hold each copy to the
-shared text word for word, instead of building the docstring at import time (which
-fails under ``-OO`` and hides the text from static tools and IDEs).
+Docstrings are literals: a shared rule (`UPDATE_RULE`, `QUANTIZE_RULE`, `LEAF_RULE`,
+`CANCEL_RULE`) is written out in each docstring that shows it, and the tests below hold
+each copy to the shared text word for word, instead of building the docstring at import
+time (which fails under ``-OO`` and hides the text from static tools and IDEs).
 """
 
 from __future__ import annotations
@@ -93,18 +93,20 @@ def _contains(doc, rule):
 
 
 @pytest.mark.skipif(sys.flags.optimize >= 2, reason="docstrings are stripped under -OO")
-@pytest.mark.parametrize("rule", ["UPDATE_RULE", "QUANTIZE_RULE", "LEAF_RULE"])
+@pytest.mark.parametrize("rule", ["UPDATE_RULE", "QUANTIZE_RULE", "LEAF_RULE", "CANCEL_RULE"])
 def test_shared_rules_are_written_out_word_for_word(rule):
     import mpfunc
     import mpfunc_torch
     from _mpfunc_common import fp8, precision_report, scale_config
 
     text = {"UPDATE_RULE": scale_config.UPDATE_RULE, "QUANTIZE_RULE": fp8.QUANTIZE_RULE,
-            "LEAF_RULE": precision_report.LEAF_RULE}[rule]
+            "LEAF_RULE": precision_report.LEAF_RULE,
+            "CANCEL_RULE": precision_report.CANCEL_RULE}[rule]
     docs = {
         "UPDATE_RULE": (mpfunc.dynamic_scale, mpfunc_torch.LossScaler),
         "QUANTIZE_RULE": (mpfunc.quantize_fp8, mpfunc_torch.quantize_fp8),
         "LEAF_RULE": (mpfunc.precision_report, mpfunc_torch.precision_report),
+        "CANCEL_RULE": (mpfunc.precision_report, mpfunc_torch.precision_report),
     }[rule]
     for obj in docs:
         assert _contains(obj.__doc__, text), f"{obj.__module__}.{obj.__qualname__}"

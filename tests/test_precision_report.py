@@ -468,3 +468,113 @@ def test_nnx_optimizer_state_is_read_as_values_not_live_variables():
     assert float(report.loss_scale) == scale
     assert float(metrics["loss_scale"]) == scale and int(metrics["skipped_steps"]) == 0
     assert int(mpfunc.scale_metrics(opt.opt_state)["skipped_steps"]) == 1
+
+
+# --- the update-cancelled column (CANCEL_RULE) ------------------------------------------
+
+
+def reference_cancelled(p, u):
+    """CANCEL_RULE in NumPy (ml_dtypes rounds float32 to bfloat16 to nearest even)."""
+    v = np.asarray(u, np.float32).reshape(-1)
+    p = np.asarray(p).reshape(-1)
+    new = (p.astype(np.float32) + v).astype(p.dtype)
+    nonzero = (v.view(np.int32) & 0x7FFFFFFF) != 0
+    updated = int(nonzero.sum())
+    return int((nonzero & (new == p)).sum()) / updated if updated else 0.0
+
+
+# Normal float32 values only, whose sums are never subnormal (XLA on CPU flushes those).
+normal = st.floats(-1e4, 1e4, width=32).filter(lambda x: x == 0 or abs(x) > 1e-20)
+steps = st.one_of(normal, st.sampled_from([0.0, -0.0, 1e-4, -1e-4, 2.0**-8, 2.0**-9, 1e-2,
+                                           3e-3, np.inf, np.nan]))
+
+
+@given(pairs=st.lists(st.tuples(normal, steps), min_size=0, max_size=24),
+       dtype=st.sampled_from(["bfloat16", "float16", "float32"]))
+def test_update_cancelled_matches_a_numpy_reference(pairs, dtype):
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = np.asarray([a for a, _ in pairs], np.float32).astype(jnp.dtype(dtype))
+        u = np.asarray([b for _, b in pairs], np.float32)
+        want = reference_cancelled(p, u)
+    report = mpfunc.precision_report({"w": jnp.zeros(len(pairs))},
+                                     params={"w": jnp.asarray(p)},
+                                     updates={"w": jnp.asarray(u)})
+    assert report.rows()[0]["update_cancelled"] == want
+
+
+def test_an_update_below_half_a_bfloat16_ulp_is_cancelled():
+    ones = jnp.ones(8, jnp.bfloat16)
+    mixed = jnp.array([1e-4] * 3 + [1e-2] * 4 + [0.0], jnp.float32)  # zeros do not count
+    params = {"small": ones, "large": ones, "mixed": ones}
+    updates = {"small": jnp.full(8, 1e-4), "large": jnp.full(8, -1e-2), "mixed": mixed}
+    grads = jax.tree.map(jnp.ones_like, params)
+    report = jax.jit(lambda g, p, u: mpfunc.precision_report(g, params=p, updates=u))(
+        grads, params, updates)
+    got = {r["name"]: r["update_cancelled"] for r in report.rows()}
+    assert got == {"['large']": 0.0, "['mixed']": 3 / 7, "['small']": 1.0}
+    lines = str(report).splitlines()
+    assert lines[1].split()[-2:] == ["update", "cancelled"]
+    assert lines[2].endswith("0.0%") and "42.9%" in str(report) and "100.0%" in str(report)
+    assert "update_cancelled" not in mpfunc.precision_report(grads).rows()[0]
+    assert "cancelled" not in str(mpfunc.precision_report(grads))
+
+
+def test_plain_bfloat16_sgd_stalls_where_every_master_storage_loses_nothing():
+    params = {"w": jnp.ones(64, jnp.bfloat16)}
+    grads = {"w": jnp.linspace(0.5, 1.5, 64).astype(jnp.bfloat16)}
+    plain = optax.sgd(1e-4)
+    updates, _ = plain.update(grads, plain.init(params), params)
+    report = mpfunc.precision_report(grads, params=params, updates=updates)
+    assert report.rows()[0]["update_cancelled"] == 1.0
+    assert bool(jnp.all(optax.apply_updates(params, updates)["w"] == params["w"]))
+    for storage in ["float32", "remainder", "kahan", "stochastic"]:
+        opt = mpfunc.master_weights(optax.sgd(1e-4), storage=storage,
+                                    seed=int(storage == "stochastic"))
+        state, p = opt.init(params), params
+
+        @jax.jit
+        def step(state, p, opt=opt):
+            updates, state = opt.update(grads, state, p)
+            report = mpfunc.precision_report(grads, params=p, updates=updates)
+            return state, optax.apply_updates(p, updates), report.update_counts
+
+        moved = 0
+        for _ in range(40):
+            state, new, counts = step(state, p)
+            assert int(counts[0, 1]) == 0, storage  # no update is cancelled: each lands
+            moved += int(jnp.sum(new["w"] != p["w"]))
+            p = new
+        assert moved > 0, storage  # the storage did carry the small steps
+    # What float32 masters lose of the same step: nothing.
+    masters = {"w": jnp.ones(64, jnp.float32)}
+    inner = {"w": -1e-4 * grads["w"].astype(jnp.float32)}
+    row = mpfunc.precision_report(grads, params=masters, updates=inner).rows()[0]
+    assert row["update_cancelled"] == 0.0
+
+
+def test_update_counts_are_summed_over_shards():
+    m = mesh()
+    spec = {"w": P("data", "model")}
+    grads = {"w": jnp.ones((16, 8))}
+    params = {"w": jnp.ones((16, 8), jnp.bfloat16)}
+    updates = {"w": jnp.where(jnp.arange(16)[:, None] < 5, 1e-4, 1e-2)
+               * jnp.ones((16, 8))}
+
+    def report_of(g, p, u):
+        return mpfunc.precision_report(g, params=p, updates=u, axis_name=("data", "model"))
+
+    f = jax.jit(jax.shard_map(report_of, mesh=m, in_specs=(spec, spec, spec), out_specs=P()))
+    put = lambda t: jax.device_put(t, {"w": NamedSharding(m, spec["w"])})  # noqa: E731
+    sharded = f(put(grads), put(params), put(updates))
+    assert sharded.rows()[0]["update_cancelled"] == 5 / 16
+    assert np.asarray(sharded.update_counts).tolist() == [[128, 40]]
+    whole = mpfunc.precision_report(grads, params=params, updates=updates)
+    assert sharded.rows() == whole.rows()
+
+
+def test_updates_need_params_of_their_structure():
+    params = {"w": jnp.ones(2, jnp.bfloat16)}
+    with pytest.raises(ValueError, match=r"`updates` need `params`"):
+        mpfunc.precision_report(params, updates=params)
+    with pytest.raises(ValueError, match=r"`updates` do not match `params`.*\['v'\]"):
+        mpfunc.precision_report(params, params=params, updates={"v": jnp.ones(2)})

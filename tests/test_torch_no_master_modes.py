@@ -156,7 +156,8 @@ def test_what_is_not_wired_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match="has no effect"):
         mpfunc_torch.convert_to_amp(model, opt, mode="bf16", master_weights="remainder",
                                     seed=4)
-    with pytest.raises(TypeError, match="master_weights"):  # apex's key is a bool
+    with pytest.raises(TypeError, match=r"`master_weights` must be a bool with mode 'apex', "
+                       r"got 'remainder'.*use mode=\"bf16\", master_weights='remainder'\."):
         mpfunc_torch.convert_to_amp(model, opt, mode="apex", opt_level="O2",
                                     master_weights="remainder")
     assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -565,3 +565,82 @@ def test_convert_to_amp_records_with_the_same_keyword_as_jax(fused):
     with pytest.raises(TypeError, match="`record_skip_leaves` must be a bool"):
         mpfunc_torch.convert_to_amp(torch.nn.Linear(2, 2), torch.optim.SGD(
             torch.nn.Linear(2, 2).parameters(), lr=0.1), record_skip_leaves="yes")
+
+
+# --- the update-cancelled column (CANCEL_RULE) ------------------------------------------
+
+def test_an_update_below_half_a_bfloat16_ulp_is_cancelled():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 4)).to(torch.bfloat16)
+    for p in net.parameters():
+        torch.nn.init.ones_(p)
+        p.grad = torch.ones_like(p)
+    mixed = torch.tensor([1e-4] * 3 + [1e-2] * 4 + [0.0]).view(2, 4)  # zeros do not count
+    updates = {"0.weight": mixed, "0.bias": torch.full((2,), 1e-4),
+               "1.weight": torch.full((4, 2), -1e-2)}
+    report = mpfunc_torch.precision_report(net, updates=updates)
+    got = {r["name"]: r["update_cancelled"] for r in report.rows()}
+    assert got == {"0.weight": 3 / 7, "0.bias": 1.0, "1.weight": 0.0, "1.bias": None}
+    lines = str(report).splitlines()
+    assert lines[1].split()[-2:] == ["update", "cancelled"]
+    assert "42.9%" in str(report) and "100.0%" in str(report) and lines[-1].endswith("-")
+    assert "update_cancelled" not in mpfunc_torch.precision_report(net).rows()[0]
+    with one_at_a_time():  # the per-tensor path gives the same counts
+        assert mpfunc_torch.precision_report(net, updates=updates).rows() == report.rows()
+
+
+def test_the_cancelled_fraction_is_what_a_bfloat16_sgd_step_leaves_unmoved():
+    g = torch.Generator().manual_seed(0)
+    net = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    for p in net.parameters():
+        p.grad = (torch.randn(p.shape, generator=g) * 0.3).to(torch.bfloat16)
+        p.grad.view(-1)[:5] = 0.0
+    lr = 3e-3
+    updates = [p.grad.float() * -lr for p in net.parameters()]  # SGD's float32 update
+    rows = mpfunc_torch.precision_report(net, updates=updates).rows()
+    before = [p.detach().clone() for p in net.parameters()]
+    torch.optim.SGD(net.parameters(), lr=lr, foreach=False).step()
+    for row, p, old in zip(rows, net.parameters(), before):
+        unmoved = ((p.detach() == old) & (p.grad != 0)).sum().item()
+        assert row["update_cancelled"] == unmoved / (p.grad != 0).sum().item()
+        assert 0.05 < row["update_cancelled"] < 0.95  # a mix, so the check has teeth
+
+
+@needs_jax
+@given(pairs=st.lists(st.tuples(st.floats(-1e4, 1e4, width=32).filter(
+                                    lambda x: x == 0 or abs(x) > 1e-20),
+                                st.sampled_from([0.0, -0.0, 1e-4, -1e-4, 2.0**-8, 2.0**-9,
+                                                 1e-2, 3e-3, -0.7, 5.0, float("inf")])),
+                      min_size=1, max_size=24),
+       dtype=st.sampled_from(["bfloat16", "float16", "float32"]))
+def test_both_frameworks_cancel_the_same_updates(pairs, dtype):
+    import jax.numpy as jnp
+
+    import mpfunc
+
+    p = torch.tensor([a for a, _ in pairs]).to(getattr(torch, dtype))
+    u = torch.tensor([b for _, b in pairs])
+    net = torch.nn.Linear(len(pairs), 1, bias=False).to(p.dtype)
+    with torch.no_grad():
+        net.weight.copy_(p.view(1, -1))
+    rows_t = mpfunc_torch.precision_report(net, grads=[torch.ones(1, len(pairs))],
+                                           updates=[u.view(1, -1)]).rows()
+    pj = jnp.asarray(p.float().numpy()).astype(dtype)
+    rows_j = mpfunc.precision_report({"weight": jnp.ones(len(pairs))}, params={"weight": pj},
+                                     updates={"weight": jnp.asarray(u.numpy())}).rows()
+    assert rows_t[0]["update_cancelled"] == rows_j[0]["update_cancelled"]
+    assert repr([r | {"name": ""} for r in rows_t]) == repr([r | {"name": ""} for r in rows_j])
+
+
+def test_bad_updates_are_refused_with_the_argument_named():
+    net = make_net()
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match=r"`updates` for '0.weight' must be a tensor of the "
+                                         r"param's shape \(16, 8\), got \(8, 16\)"):
+        mpfunc_torch.precision_report(net, updates={"0.weight": torch.zeros(8, 16)})
+    with pytest.raises(ValueError, match="`updates` has 1 entries, `model` has 6"):
+        mpfunc_torch.precision_report(net, updates=[None])
+    with pytest.raises(ValueError, match=r"`updates` names \['3.bias'\]"):
+        mpfunc_torch.precision_report(net, updates={"3.bias": torch.zeros(1)})
+    with pytest.raises(TypeError, match="`updates` must be None"):
+        mpfunc_torch.precision_report(net, updates=torch.zeros(3))

@@ -30,6 +30,7 @@ from _mpfunc_common.precision_report import (
     leaf_rows,
     nonfinite_names,
 )
+from mpfunc._src.cancelled_updates import check_like, update_counts
 from mpfunc._src.distributed import (
     AxisName,
     _varying_axes,
@@ -74,7 +75,7 @@ class NamedFlags:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["nonfinite", "amax", "zeros", "underflows", "sizes", "loss_scale",
-                 "forward"],
+                 "forward", "update_counts"],
     meta_fields=["paths", "dtype"])
 @dataclasses.dataclass(frozen=True, repr=False)
 class PrecisionReport:
@@ -93,6 +94,8 @@ class PrecisionReport:
       sizes: int32 ``[n]``: elements (summed over the shards of ``axis_name``).
       loss_scale: float32 scalar, the scale the report was made for.
       forward: the `watch_nonfinite` flags of the forward, or None.
+      update_counts: int32 ``[n, 2]``: ``(updated, cancelled)`` per leaf (`CANCEL_RULE`;
+        ``updated`` < 0 where the leaf has no floating update), or None without updates.
       paths: the leaves' ``jax.tree_util.keystr`` paths (static).
       dtype: the half-precision format's name (static).
     """
@@ -106,6 +109,7 @@ class PrecisionReport:
     forward: NamedFlags | None
     paths: tuple[str, ...]
     dtype: str
+    update_counts: jax.Array | None = None
 
     def __repr__(self) -> str:  # reads nothing from the device
         return f"PrecisionReport({len(self.paths)} leaves, dtype={self.dtype})"
@@ -117,17 +121,20 @@ class PrecisionReport:
                             "it from the step, then call rows() / str() on the result).")
         fwd = None if self.forward is None else self.forward.flags
         got = jax.device_get((self.nonfinite, self.amax, self.zeros, self.underflows,
-                              self.sizes, self.loss_scale, fwd))
-        *arrays, fwd = got
+                              self.sizes, self.loss_scale, fwd, self.update_counts))
+        *arrays, fwd, upd = got
         nonfinite, amax, zeros, under, sizes, scale = (np.asarray(v) for v in arrays)
+        upd = None if upd is None else np.asarray(upd).reshape(-1, 2)
         rows = leaf_rows(self.paths, nonfinite.reshape(-1), amax.reshape(-1),
                          zeros.reshape(-1), under.reshape(-1), sizes.reshape(-1),
-                         float(scale), check_report_dtype(self.dtype, self.dtype))
+                         float(scale), check_report_dtype(self.dtype, self.dtype),
+                         None if upd is None else (upd[:, 0], upd[:, 1]))
         return rows, float(scale), None if fwd is None else np.asarray(fwd).reshape(-1).tolist()
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per leaf, in tree order: ``name`` (the keystr path), ``nonfinite``,
-        ``amax``, ``zero_fraction``, ``underflow_fraction``, ``headroom_bits``."""
+        ``amax``, ``zero_fraction``, ``underflow_fraction``, ``headroom_bits`` (and
+        ``update_cancelled`` when made with ``updates``)."""
         return self._read()[0]
 
     def nonfinite_paths(self) -> list[str]:
@@ -175,21 +182,6 @@ def _scale_array(loss_scale: Any) -> jax.Array:
     if not isinstance(loss_scale, int | float) and len(found := _find_states(loss_scale)) == 1:
         return found[0].loss_scale  # read now: NNX's state is a mutable variable
     return jnp.asarray(check_loss_scale(loss_scale), _F32)
-
-
-def _check_like(grads: Any, params: Any) -> None:
-    got = jax.tree_util.tree_flatten_with_path(grads)[0]
-    want = jax.tree_util.tree_flatten_with_path(params)[0]
-    for (gp, g), (pp, p) in zip(got, want):
-        if gp != pp or jnp.shape(g) != jnp.shape(p):
-            raise ValueError(
-                "`grads` do not match `params`: leaf "
-                f"{jax.tree_util.keystr(gp)} has shape {jnp.shape(g)} where params have "
-                f"{jax.tree_util.keystr(pp)} with shape {jnp.shape(p)}. Pass the gradients "
-                "of these params (jax.grad of the loss with respect to them).")
-    if len(got) != len(want):
-        raise ValueError(f"`grads` do not match `params`: {len(got)} leaves, params have "
-                         f"{len(want)}. Pass the gradients of these params.")
 
 
 def _partitioned(x: jax.Array) -> bool:
@@ -285,6 +277,7 @@ def precision_report(
     axis_name: AxisName = None,
     params: Any = None,
     forward: NamedFlags | None = None,
+    updates: Any = None,
 ) -> PrecisionReport:
     """Per-leaf overflow and underflow statistics of ``grads``, on the device.
 
@@ -311,6 +304,26 @@ def precision_report(
         CPU reads a float32 subnormal as 0 in arithmetic, torch does not, so such a value
         is an underflow (not a zero) in both.
 
+    Given ``updates`` (with ``params``), each row also has ``update_cancelled``:
+
+    .. code-block:: python
+
+        # per leaf given an update u and its stored param p (local shards, then SUM-reduced)
+        new = round_to(p.dtype, float32(p) + float32(u))   # to nearest even: p + u as applied
+        updated = count(u != 0)
+        cancelled = count(u != 0 and new == p)              # p does not move: u rounded away
+        update_cancelled = cancelled / updated              # 0.0 when u is all zero
+
+        An update below half an ulp of its param (2**-8 at 1.0 in bfloat16, 2**-11 in
+        float16) is always cancelled. XLA on CPU flushes float32 subnormals (in p or u) to
+        zero, which torch does not.
+
+    Pass the updates given to ``optax.apply_updates``: for half params stepped directly
+    it is the share of the step lost for good (training stalls as it nears 1). The
+    updates of `master_weights` (any storage) land exactly where the master puts the
+    param, so they show 0: to see what the master keeps that the param alone would
+    lose, pass ``inner``'s update; to see what float32 masters lose, pass them as params.
+
     Pass unscaled gradients with the scale they are trained at (``loss_scale=state``),
     or gradients that already carry the scale (``jax.grad`` of `scale_loss`) with
     ``loss_scale=None``. Inside ``shard_map`` give the ``axis_name`` the finite check
@@ -331,14 +344,17 @@ def precision_report(
       params: optional; ``grads`` must then have the structure and leaf shapes of it.
       forward: the flags of a watched forward (`watch_nonfinite`), for
         `PrecisionReport.first_nonfinite_module`.
+      updates: optional, with ``params`` (the stored params they are added to), in their
+        structure: adds ``update_cancelled`` (above) to each row.
 
     Returns:
       A `PrecisionReport`.
 
     Raises:
       TypeError: a non-floating ``dtype``, a ``loss_scale`` of the wrong type.
-      ValueError: a scale that is not finite or not > 0, ``grads`` that do not match
-        ``params``, leaves varying over mesh axes not in ``axis_name``.
+      ValueError: a scale that is not finite or not > 0, ``grads`` or ``updates`` that do
+        not match ``params`` (or ``updates`` without them), leaves varying over mesh axes
+        not in ``axis_name``.
 
     Examples:
       >>> import jax.numpy as jnp, mpfunc
@@ -349,12 +365,24 @@ def precision_report(
       >>> row = report.rows()[0]
       >>> row["underflow_fraction"], row["zero_fraction"], round(row["headroom_bits"], 2)
       (0.5, 0.0, 7.0)
+      >>> params = {"a": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16)}
+      >>> updates = {"a": jnp.array([1e-4, 1e-2]), "b": jnp.array([1e-4, 0.0])}
+      >>> report = mpfunc.precision_report(grads, params=params, updates=updates)
+      >>> [row["update_cancelled"] for row in report.rows()]
+      [0.5, 1.0]
     """
     fmt = _dtype_format(dtype)
     axis_name = check_axis_name(axis_name)
     scale = _scale_array(loss_scale)
     if params is not None:
-        _check_like(grads, params)
+        check_like(grads, params, "grads", "the gradients of these params (jax.grad of "
+                   "the loss with respect to them)")
+    if updates is not None:
+        if params is None:
+            raise ValueError("`updates` need `params`: give the stored params they are "
+                             "added to (params=...), to know what rounding cancels.")
+        check_like(updates, params, "updates", "the updates of these params (what "
+                   "optax.apply_updates adds to them)")
     if forward is not None and not isinstance(forward, NamedFlags):
         raise TypeError("`forward` must be the `.flags` of mpfunc.watch_nonfinite, got "
                         f"{type(forward).__name__}.")
@@ -369,6 +397,11 @@ def precision_report(
         fl, counts = jnp.zeros((0, 2), _F32), jnp.zeros((0, 3), _I32)
     if forward is not None:
         forward = NamedFlags(reduce_flags(forward.flags, axis_name), forward.names)
+    upd = None
+    if updates is not None:
+        upd = _reduce(update_counts(params, updates, paths), axis_name, (lax.psum,))
+        upd = jnp.stack([c for (c,) in upd]) if upd else jnp.zeros((0, 2), _I32)
     return PrecisionReport(
         nonfinite=fl[:, 0] > 0, amax=fl[:, 1], zeros=counts[:, 0], underflows=counts[:, 1],
-        sizes=counts[:, 2], loss_scale=scale, forward=forward, paths=paths, dtype=fmt.name)
+        sizes=counts[:, 2], loss_scale=scale, forward=forward, paths=paths, dtype=fmt.name,
+        update_counts=upd)

@@ -23,6 +23,7 @@ from _mpfunc_common.precision_report import (
     nonfinite_names,
 )
 from mpfunc_torch._src import fused
+from mpfunc_torch._src.cancelled_updates import match_tensors, update_counts
 from mpfunc_torch._src.distributed import host_values, normalize_groups
 from mpfunc_torch._src.nonfinite_watch import watch_of
 from mpfunc_torch._src.sharding import is_dtensor, local
@@ -37,17 +38,19 @@ class PrecisionReport:
     `first_nonfinite_module` or ``str(report)`` is called; the first of them reads the
     whole report (one transfer) and the others reuse it. ``names`` are the params'
     names; ``stats`` is the packed int64 device tensor: nonfinite, amax (float32 bits),
-    zeros, underflows, sizes (a row of ``len(names)`` each), the scale's float32 bits,
-    then the watched forward's flags.
+    zeros, underflows, sizes, and with ``updates`` updated and cancelled
+    (`CANCEL_RULE`), a row of ``len(names)`` each, the scale's float32 bits, then the
+    watched forward's flags.
     """
 
     def __init__(self, names: Sequence[str], stats: torch.Tensor, fmt: FloatFormat,
-                 forward_names: Sequence[str] | None = None):
+                 forward_names: Sequence[str] | None = None, updates: bool = False):
         self.names = tuple(names)
         self.dtype = fmt.name
         self.stats = stats
         self._fmt = fmt
         self._forward_names = None if forward_names is None else tuple(forward_names)
+        self._rows = 7 if updates else 5
         self._host: tuple | None = None
 
     def __repr__(self) -> str:  # reads nothing from the device
@@ -55,19 +58,21 @@ class PrecisionReport:
 
     def _read(self) -> tuple:
         if self._host is None:
-            n = len(self.names)
+            n, k = len(self.names), self._rows
             host = self.stats.cpu()  # the one transfer
-            f32 = host[:5 * n + 1].to(torch.int32).view(torch.float32)
-            ints = host[:5 * n].view(5, n).tolist()
+            f32 = host[:k * n + 1].to(torch.int32).view(torch.float32)
+            ints = host[:k * n].view(k, n).tolist()
             rows = leaf_rows(self.names, ints[0], f32[n:2 * n].tolist(), ints[2], ints[3],
-                             ints[4], float(f32[5 * n]), self._fmt)
-            fwd = None if self._forward_names is None else host[5 * n + 1:].tolist()
-            self._host = rows, float(f32[5 * n]), fwd
+                             ints[4], float(f32[k * n]), self._fmt,
+                             (ints[5], ints[6]) if k == 7 else None)
+            fwd = None if self._forward_names is None else host[k * n + 1:].tolist()
+            self._host = rows, float(f32[k * n]), fwd
         return self._host
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per param, in ``named_parameters()`` order: ``name``, ``nonfinite``,
-        ``amax``, ``zero_fraction``, ``underflow_fraction``, ``headroom_bits``."""
+        ``amax``, ``zero_fraction``, ``underflow_fraction``, ``headroom_bits`` (and
+        ``update_cancelled`` when made with ``updates``)."""
         return [dict(r) for r in self._read()[0]]
 
     def nonfinite_names(self) -> list[str]:
@@ -244,16 +249,21 @@ def _pack(fl, counts, scale, forward) -> torch.Tensor:
     return torch.cat(parts + ([] if forward is None else [forward.to(torch.int64)]))
 
 
-def _report(names, grads, tensors, scale, fmt, groups, prescaled, model) -> PrecisionReport:
+def _report(names, grads, tensors, scale, fmt, groups, prescaled, model,
+            updates=None) -> PrecisionReport:
+    """``updates``: None, or a ``(param, update or None)`` pair per gradient."""
     dev = scale.device
     threshold = torch.full((), fmt.threshold, dtype=torch.float32, device=dev)
     if not prescaled:
         threshold = threshold / scale
     fl, counts = _stats(grads, threshold, torch.reciprocal(scale) if prescaled else None)
+    if updates is not None:
+        counts = torch.cat([counts, update_counts(updates, dev)], dim=1)
     _reduce_(fl, counts, tensors, groups)
     watch = watch_of(model) if model is not None else None
     fwd_names, fwd = (None, None) if watch is None else watch.snapshot(dev)
-    return PrecisionReport(names, _pack(fl, counts, scale, fwd), fmt, fwd_names)
+    return PrecisionReport(names, _pack(fl, counts, scale, fwd), fmt, fwd_names,
+                           updates is not None)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -268,6 +278,7 @@ def precision_report(
     dtype: Any = torch.float16,
     grads: Sequence[torch.Tensor | None] | Mapping[str, torch.Tensor] | None = None,
     process_group: Any = None,
+    updates: Sequence[torch.Tensor | None] | Mapping[str, torch.Tensor] | None = None,
 ) -> PrecisionReport:
     """Per-param overflow and underflow statistics of ``model``'s gradients, on the device.
 
@@ -294,6 +305,25 @@ def precision_report(
         CPU reads a float32 subnormal as 0 in arithmetic, torch does not, so such a value
         is an underflow (not a zero) in both.
 
+    Given ``updates``, each row also has ``update_cancelled``:
+
+    .. code-block:: python
+
+        # per leaf given an update u and its stored param p (local shards, then SUM-reduced)
+        new = round_to(p.dtype, float32(p) + float32(u))   # to nearest even: p + u as applied
+        updated = count(u != 0)
+        cancelled = count(u != 0 and new == p)              # p does not move: u rounded away
+        update_cancelled = cancelled / updated              # 0.0 when u is all zero
+
+        An update below half an ulp of its param (2**-8 at 1.0 in bfloat16, 2**-11 in
+        float16) is always cancelled. XLA on CPU flushes float32 subnormals (in p or u) to
+        zero, which torch does not.
+
+    For half params stepped directly (``p.add_(u)``) it is the share of the step lost
+    for good (training stalls as it nears 1). Masters (float32, remainders, Kahan) keep
+    what the param cancels and stochastic rounding keeps it in expectation: there it
+    says how much of the step only they carry.
+
     The gradients are taken as they are: give the scale they are trained at when they are
     unscaled (after ``optimizer.unscale_()`` / ``step()``), or None when they still carry
     it (after a scaled ``backward``); `AmpOptimizer.precision_report` knows which. DTensor
@@ -312,14 +342,17 @@ def precision_report(
       grads: instead of the ``.grad``: one tensor (or None) per param in
         ``named_parameters()`` order, or a dict from param name to tensor.
       process_group: a ``ProcessGroup`` or a sequence of them to reduce over.
+      updates: the float32 update of each param (added to the param as it is stored),
+        as ``grads`` are given: adds ``update_cancelled`` (above); None for a param
+        without one.
 
     Returns:
       A `PrecisionReport`.
 
     Raises:
       TypeError: ``model`` is not a module, a non-floating ``dtype``, a bad ``loss_scale``.
-      ValueError: a scale that is not finite or not > 0; ``grads`` that do not match the
-        model's params (count, names or shapes).
+      ValueError: a scale that is not finite or not > 0; ``grads`` or ``updates`` that
+        do not match the model's params (count, names or shapes).
 
     Examples:
       >>> import torch, mpfunc_torch
@@ -332,6 +365,12 @@ def precision_report(
       >>> row = report.rows()[0]
       >>> row["underflow_fraction"], row["zero_fraction"], round(row["headroom_bits"], 2)
       (0.5, 0.0, 7.0)
+      >>> net = torch.nn.Linear(2, 1).to(torch.bfloat16)
+      >>> _ = torch.nn.init.ones_(net.weight)
+      >>> report = mpfunc_torch.precision_report(net, grads=[torch.ones(1, 2), None],
+      ...     updates=[torch.tensor([[1e-4, 1e-2]]), None])   # 1e-4 < 2**-8: rounds away
+      >>> report.rows()[0]["update_cancelled"]
+      0.5
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be a torch.nn.Module, got {type(model).__name__}.")
@@ -341,35 +380,14 @@ def precision_report(
     named = list(model.named_parameters())
     if not named:
         raise ValueError("`model` has no parameters.")
-    chosen = _match_grads(named, grads)
-    names = [n for (n, _), g in zip(named, chosen) if g is not None]
+    chosen = [p.grad for _, p in named] if grads is None else \
+        match_tensors(named, grads, "grads")
+    keep = [i for i, g in enumerate(chosen) if g is not None]
     tensors = [g for g in chosen if g is not None]
+    pairs = None
+    if updates is not None:
+        given = match_tensors(named, updates, "updates")
+        pairs = [(named[i][1], given[i]) for i in keep]
     scale = _scale_tensor(loss_scale, named[0][1].device)
-    return _report(names, [_dense(g) for g in tensors], tensors, scale, fmt, groups,
-                   False, model)
-
-
-def _match_grads(named, grads) -> list:
-    if grads is None:
-        return [p.grad for _, p in named]
-    if isinstance(grads, Mapping):
-        unknown = sorted(set(grads) - {n for n, _ in named})
-        if unknown:
-            raise ValueError(f"`grads` names {unknown[:3]}, which are not params of "
-                             f"`model` (it has {[n for n, _ in named][:3]}...).")
-        chosen = [grads.get(n) for n, _ in named]
-    elif isinstance(grads, Sequence) and not isinstance(grads, str):
-        if len(grads) != len(named):
-            raise ValueError(f"`grads` has {len(grads)} entries, `model` has {len(named)} "
-                             "params: give one per param (None for none), in "
-                             "named_parameters() order.")
-        chosen = list(grads)
-    else:
-        raise TypeError("`grads` must be None, a sequence of tensors or a dict from "
-                        f"param name to tensor, got {type(grads).__name__}.")
-    for (n, p), g in zip(named, chosen):
-        if g is not None and (not isinstance(g, torch.Tensor) or g.shape != p.shape):
-            got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-            raise ValueError(f"`grads` for {n!r} must be a tensor of the param's shape "
-                             f"{tuple(p.shape)}, got {got}.")
-    return chosen
+    return _report([named[i][0] for i in keep], [_dense(g) for g in tensors], tensors,
+                   scale, fmt, groups, False, model, pairs)
