@@ -44,7 +44,6 @@ __all__ = [
     "check_state_rounding",
     "check_seed",
     "check_storage_combination",
-    "refuse_unwired_storage",
     "resolve_bf16_storage",
     "rounds_stochastically",
 ]
@@ -238,21 +237,3 @@ def resolve_bf16_storage(config: dict[str, Any]) -> dict[str, Any]:
         return {**out, "autocast_dtype": "bfloat16"}
     return {**out, "cast_model_type": "bfloat16", "cast_model_outputs": "float32",
             "master_weights": storage == "float32"}
-
-
-def refuse_unwired_storage(plan: Any, where: str, supported: tuple[str, ...] = ()) -> None:
-    """A ValueError if ``plan`` (an `AmpPlan`) asks for bf16 storage keys that ``where``
-    does not implement yet (all but the storages in ``supported``), so that they are
-    never silently ignored."""
-    keys = []
-    if (plan.enabled and plan.mode == "bf16" and plan.master_storage is not None
-            and plan.master_storage not in supported):
-        keys.append(f"master_weights={plan.master_storage!r}")
-    if plan.enabled and plan.state_dtype is not None:
-        keys.append(f"state_dtype={plan.state_dtype!r}")
-    if keys:
-        raise ValueError(
-            f"{where} does not support mode 'bf16' with {', '.join(keys)} yet: it would "
-            "train float32 params with float32 state instead. Remove the key(s); in JAX, "
-            "mpfunc.convert_to_amp, mpfunc.master_weights and mpfunc.state_dtype support "
-            "them.")

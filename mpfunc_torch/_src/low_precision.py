@@ -15,7 +15,9 @@ float32 masters, before its first step) to a `MasterStorage` (``"remainder"``,
   params (so that the optimizer checkpoint rebuilds the masters whichever of the model
   and optimizer checkpoints loads first, as float32 masters do) and the remainders or
   compensations; the state's stored tensors are in the inner optimizer's state_dict.
-  `check` validates all of it before `load` writes anything.
+  `check` validates all of it before `load` writes anything. A `convert_checkpoint`
+  result holds `FROM_MODEL` in place of the params and remainders: the float32 model
+  checkpoint converted with it sets them (`MasterStorage.follow_load_`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from mpfunc_torch._src.master_storage import MasterStorage, check_storage, raw
-from mpfunc_torch._src.master_weights import has_stepped, non_finite_names
+from mpfunc_torch._src.master_weights import FROM_MODEL, has_stepped, non_finite_names
 from mpfunc_torch._src.optimizer_parts import AmpOptimizerParts
 from mpfunc_torch._src.sharding import local
 from mpfunc_torch._src.state_dtype import StateDtype
@@ -116,8 +118,8 @@ class LowPrecision:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"`{where}['step']` must be an int >= 0, got {step!r}.")
         s = self.storage
-        if s is None:
-            return dict(saved)
+        if s is None or _from_model(saved["params"]):
+            return dict(saved)  # (a converted checkpoint's: the model's load sets them)
         params, extra = saved["params"], saved["extra"]
         for key, got, want in (("params", params, [p for p, _ in s.pairs]),
                                ("extra", extra, s.extra)):
@@ -150,7 +152,7 @@ class LowPrecision:
             if part is not None:
                 part.seed = self.seed
         s = self.storage
-        if s is None:
+        if s is None or _from_model(checked["params"]):
             return
         for (p, _), e, sp, se in zip(s.pairs, s.extra, checked["params"], checked["extra"]):
             raw(p).copy_(local(sp))
@@ -163,6 +165,10 @@ class LowPrecision:
         if self.state is not None:
             self.state.after_load_([q for g in self.optimizer.param_groups
                                     for q in g["params"]])
+
+
+def _from_model(params: Any) -> bool:
+    return isinstance(params, str) and params == FROM_MODEL
 
 
 def persistent_bytes(opt: AmpOptimizerParts, model: torch.nn.Module | None = None) -> int:
