@@ -127,7 +127,7 @@ def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) ->
     if chained:
         user = (*inner[:-1], user)
     count = jnp.asarray(step, jnp.uint32)
-    if stored is not None:  # one rounding to nearest (see the module)
+    if stored is not None and plan.state_dtype is not None:  # rounded to nearest, once
         values, scales = encode_state(user, plan.state_dtype, stored.seed, count, False)
         user = stored._replace(inner_state=values, scales=scales, step=count)
     if plan.master_storage == "float32":

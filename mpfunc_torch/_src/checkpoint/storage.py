@@ -57,12 +57,12 @@ def stored_masters(low: Any) -> list[torch.Tensor]:
                              + (f"a {want} of its shape beside it" if want else "None beside it")
                              + f" (storage {kind!r}), got {_what(p)} and {_what(e)}.")
         m = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        if kind == "remainder":
+        if e is None:  # stochastic
+            m.copy_(p)
+        elif kind == "remainder":
             join_remainder_(m, p.contiguous(), e.contiguous())
         else:
-            m.copy_(p)
-            if kind == "kahan":
-                m.add_(e)
+            torch.add(p.float(), e.float(), out=m)
         out.append(m)
     return out
 
@@ -77,6 +77,7 @@ def widen_state(inner: Mapping[str, Any], keep: str | None) -> dict[str, Any]:
     (exactly), 8-bit codes dequantised with their ``"<key>:scale"`` (blocks of
     `STATE_BLOCK`, as `convert_to_amp` stores them), except codes already in ``keep``
     (the target's state dtype), which stay as they are with their scales."""
+    kept = STATE_DTYPES.get(keep) if keep is not None else None
     state = {}
     for pid, st in inner["state"].items():
         if not isinstance(st, Mapping):
@@ -86,10 +87,10 @@ def widen_state(inner: Mapping[str, Any], keep: str | None) -> dict[str, Any]:
         for key, v in st.items():
             scale = st.get(key + SCALE_SUFFIX) if isinstance(key, str) else None
             if is_scale_key(key) and st.get(key[:-len(SCALE_SUFFIX)]) is not None and (
-                    st[key[:-len(SCALE_SUFFIX)]].dtype != STATE_DTYPES.get(keep)):
+                    st[key[:-len(SCALE_SUFFIX)]].dtype != kept):
                 continue  # the scales of codes dequantised here
             if (not isinstance(v, torch.Tensor) or not v.is_floating_point() or v.dim() == 0
-                    or v.dtype == torch.float32 or v.dtype == STATE_DTYPES.get(keep)):
+                    or v.dtype in (torch.float32, kept)):
                 new[key] = v
             elif scale is not None:
                 if not isinstance(scale, torch.Tensor) or scale.numel() != -(
