@@ -212,3 +212,34 @@ def test_bad_combinations_are_clear_errors():
     with pytest.raises(ValueError, match="stores its masters as 'remainder'"):
         opt2.load_state_dict(osd3)
     assert all(torch.equal(a, b) for a, b in zip(before, net2.parameters()))
+
+
+def test_a_plain_float32_torch_run_moves_to_a_storage_and_back():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(12, 8)
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), masters_with_ties().values()):
+            p.copy_(torch.from_numpy(v))
+    plain = torch.optim.Adam(net.parameters(), lr=LR)
+    for g in grads(2):
+        plain.zero_grad()
+        sum((p * gi.float()).sum() for p, gi in zip(net.parameters(), g)).backward()
+        plain.step()
+    ck = round_trip({"model": net.state_dict(), "optimizer": plain.state_dict()})
+    msd, osd = mpfunc_torch.convert_checkpoint(ck["model"], ck["optimizer"], "bf16",
+                                               master_weights="stochastic", seed=1)
+    net2, opt2 = run(init=5, master_weights="stochastic", seed=1)
+    net2.load_state_dict(msd)
+    opt2.load_state_dict(osd)
+    assert low_precision_of(opt2).step == 2  # Adam's steps: the bits go on from step 2
+    np.testing.assert_array_equal(u16(net2.weight), R.round_nearest_bf16(
+        net.weight.detach().numpy()))
+    msd, osd = mpfunc_torch.convert_checkpoint(ck["model"], ck["optimizer"], "bf16",
+                                               master_weights="remainder")
+    net3, opt3 = run(init=5, master_weights="remainder")
+    opt3.load_state_dict(osd)
+    net3.load_state_dict(msd)
+    msd, osd = mpfunc_torch.convert_checkpoint(net3.state_dict(), opt3.state_dict(), "fp32")
+    for k, p in net.state_dict().items():  # back to plain float32: the same bits
+        np.testing.assert_array_equal(u32(msd[k]), u32(p))
+    assert torch.equal(osd["state"][0]["exp_avg_sq"], plain.state_dict()["state"][0]["exp_avg_sq"])
