@@ -29,7 +29,14 @@ framework is imported.
   ``lo`` with ``bits(master) == (bits(hi) << 16) + lo``, so ``join_remainder(hi, lo)``
   gives the master back bit for bit.
 * **Kahan** compensated updates keep a bfloat16 compensation ``c`` beside the bfloat16
-  param ``p``: see `kahan_update`.
+  param ``p``: see `kahan_update`. From a float32 master (a checkpoint's conversion),
+  ``p`` is the master rounded to nearest and ``c`` the residual, rounded to nearest
+  (`kahan_from_master`); back, the master is ``p + c`` in float32 (`kahan_master`).
+* **Conversions** (``convert_checkpoint``) between a float32 master and a storage use
+  `split_remainder` / `join_remainder`, `kahan_from_master` / `kahan_master`, and for
+  ``"stochastic"`` the master rounded to nearest (`round_nearest_bf16`; back: the
+  param's value). State moving below float32 is rounded to nearest (one rounding: half
+  the error bound of a stochastic one, and the same bits in both frameworks).
 * **8-bit state** (`quantize_state_8bit`): the blockwise fp8 rule of
   `_mpfunc_common.fp8.QUANTIZE_RULE` on the flattened leaf in blocks of 128, rounded to
   nearest or stochastically (`stochastic_round_fp8`).
@@ -52,6 +59,8 @@ __all__ = [
     "split_remainder",
     "join_remainder",
     "kahan_update",
+    "kahan_from_master",
+    "kahan_master",
     "remainder_against",
     "stochastic_round_fp8",
     "round_nearest_fp8",
@@ -207,6 +216,34 @@ def kahan_update(param_bits, comp_bits, update, dtype: str = "bfloat16"):
     delta = (value(p_new) - p).astype(np.float32)
     c_new = rne((y - delta).astype(np.float32))
     return p_new, c_new
+
+
+def kahan_from_master(master, dtype: str = "bfloat16") -> tuple[np.ndarray, np.ndarray]:
+    """A float32 master -> Kahan's (param bits, compensation bits) as uint16.
+
+    ``p = half(master)`` (nearest, ties to even) and ``c = half(master - p)`` (the
+    residual, exact in float32, rounded to nearest): ``p + c`` is the master to within
+    half an ulp of ``c``, and ``c`` is zero only where the master is a half value.
+    """
+    m = np.asarray(master, dtype=np.float32)
+    if dtype == "bfloat16":
+        p = round_nearest_bf16(m)
+        residual = (m - _bf16_value(p)).astype(np.float32)
+        return p, round_nearest_bf16(residual)
+    p16 = m.astype(np.float16)
+    residual = (m - p16.astype(np.float32)).astype(np.float32)
+    return p16.view(np.uint16), residual.astype(np.float16).view(np.uint16)
+
+
+def kahan_master(param_bits, comp_bits, dtype: str = "bfloat16") -> np.ndarray:
+    """Kahan's (param, compensation) bits -> the float32 value they stand for: ``p + c``
+    (one float32 add, as the step reads them)."""
+    if dtype == "bfloat16":
+        p, c = _bf16_value(param_bits), _bf16_value(comp_bits)
+    else:
+        p = np.asarray(param_bits, np.uint16).view(np.float16).astype(np.float32)
+        c = np.asarray(comp_bits, np.uint16).view(np.float16).astype(np.float32)
+    return (p + c).astype(np.float32)
 
 
 def remainder_against(master, param_bits) -> np.ndarray:

@@ -46,7 +46,6 @@ __all__ = [
     "check_seed",
     "check_storage_combination",
     "refuse_storage_elsewhere",
-    "refuse_unwired_storage",
     "resolve_bf16_storage",
     "rounds_stochastically",
 ]
@@ -275,21 +274,3 @@ def refuse_storage_elsewhere(mode: str, config: Mapping[str, Any]) -> None:
         f"`master_weights` must be {expected} with mode {mode!r}, got {value!r}: the "
         f"storages {list(MASTER_STORAGES)} belong to mode 'bf16', and {where}. For bfloat16 "
         f"params stored that way, use mode=\"bf16\", master_weights={fix!r}.")
-
-
-def refuse_unwired_storage(plan: Any, where: str, supported: tuple[str, ...] = ()) -> None:
-    """A ValueError if ``plan`` (an `AmpPlan`) asks for bf16 storage keys that ``where``
-    does not implement yet (all but the storages in ``supported``), so that they are
-    never silently ignored."""
-    keys = []
-    if (plan.enabled and plan.mode == "bf16" and plan.master_storage is not None
-            and plan.master_storage not in supported):
-        keys.append(f"master_weights={plan.master_storage!r}")
-    if plan.enabled and plan.state_dtype is not None:
-        keys.append(f"state_dtype={plan.state_dtype!r}")
-    if keys:
-        raise ValueError(
-            f"{where} does not support mode 'bf16' with {', '.join(keys)} yet: it would "
-            "train float32 params with float32 state instead. Remove the key(s); in JAX, "
-            "mpfunc.convert_to_amp, mpfunc.master_weights and mpfunc.state_dtype support "
-            "them.")

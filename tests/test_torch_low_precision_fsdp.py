@@ -23,6 +23,48 @@ def test_one_rank_fsdp_equals_unsharded(gloo_world, storage):
     assert sharded_run(storage, 0, 1) == []
 
 
+@pytest.mark.parametrize("storage", STORAGES)
+def test_one_rank_fsdp_dcp_checkpoint_resumes_bit_for_bit(gloo_world, storage, tmp_path):
+    # torch.distributed.checkpoint of FSDP2 shards: remainders and compensations are
+    # DTensors sharded like their params, the bfloat16 state as stored.
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from lowp_task import convert, fixed_grads, net, same, snapshot
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    import mpfunc_torch
+
+    def run(seed):
+        model = net(seed)
+        fully_shard(model)
+        _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage,
+                         "bfloat16", rounding="stochastic", seed=5)
+        return model, opt
+
+    def step(model, opt, g):
+        for p, gi in zip(model.parameters(), g):
+            p.grad = distribute_tensor(gi, p.device_mesh, p.placements)
+        opt.backward_done()
+        assert bool(opt.step())
+
+    grads = fixed_grads(5)
+    model, opt = run(0)
+    for g in grads[:3]:
+        step(model, opt, g)
+    msd, osd = mpfunc_torch.get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    model2, opt2 = run(1)
+    msd2, osd2 = mpfunc_torch.get_state_dict(model2, opt2)
+    dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=str(tmp_path))
+    mpfunc_torch.set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    same(snapshot(model2, opt2), snapshot(model, opt))
+    for g in grads[3:]:
+        step(model, opt, g)
+        step(model2, opt2, g)
+    same(snapshot(model2, opt2), snapshot(model, opt))
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

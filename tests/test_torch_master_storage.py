@@ -303,10 +303,47 @@ def test_bad_arguments_are_clear_errors():
         use_low_precision(opt, "kahan")
 
 
-def test_distributed_checkpoint_functions_refuse_stored_masters_clearly():
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("storage, state", [("remainder", None), ("kahan", "bfloat16"),
+                                            ("stochastic", "bfloat16")])
+def test_distributed_checkpoint_save_and_load_resume_bit_for_bit(storage, state, tmp_path):
+    # torch.distributed.checkpoint in one process: the bf16 params in the model part, the
+    # remainders or compensations in each param's state, the stored moments as stored,
+    # the seed and step under "mpfunc"; a fresh run loads it and goes on exactly.
+    import torch.distributed.checkpoint as dcp
+
+    grads = fixed_grads(5)
+
+    def run(seed):
+        model = net(seed)
+        _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage, state,
+                         "stochastic" if state else "nearest", seed=3)
+        return model, opt
+
+    model, opt = run(0)
+    for g in grads[:3]:
+        step_with(opt, list(model.parameters()), g)
+    msd, osd = mpfunc_torch.get_state_dict(model, opt)
+    assert osd["mpfunc"]["low_precision"] == {"storage": storage, "seed": 3, "step": 3}
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    model2, opt2 = run(1)  # other values everywhere, a fresh optimizer (no state yet)
+    params, extra, _, counter = snapshot(model2, opt2)
+    msd2, osd2 = mpfunc_torch.get_state_dict(model2, opt2)  # makes the state: lr 0
+    same((params, extra, {}, counter), snapshot(model2, opt2)[:2] + ({}, counter))
+    dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=str(tmp_path))
+    mpfunc_torch.set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    same(snapshot(model2, opt2), snapshot(model, opt))
+    for g in grads[3:]:
+        step_with(opt, list(model.parameters()), g)
+        step_with(opt2, list(model2.parameters()), g)
+    same(snapshot(model2, opt2), snapshot(model, opt))
+
+
+def test_distributed_checkpoint_functions_refuse_8bit_state_clearly():
     model = net()
-    _, opt = convert(model, torch.optim.SGD(model.parameters(), lr=0.1), "remainder")
-    with pytest.raises(ValueError, match="keep their masters as 'remainder'"):
+    _, opt = convert(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                     "remainder", "float8_e4m3fn")
+    with pytest.raises(ValueError, match="store their state in 8 bits.*cannot reshard"):
         mpfunc_torch.get_state_dict(model, opt)
 
 

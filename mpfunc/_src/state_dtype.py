@@ -25,7 +25,7 @@ from mpfunc._src.rounding import (
 )
 from mpfunc._src.scale_rule import as_transformation
 
-__all__ = ["StateDtypeState", "state_dtype"]
+__all__ = ["StateDtypeState", "decode_state", "encode_state", "state_dtype"]
 
 _F32 = jnp.float32
 
@@ -60,6 +60,45 @@ def _stored(x: Any) -> bool:
 
 def _to_f32(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: x.astype(_F32) if _is_float(x) else x, tree)
+
+
+def encode_state(tree: Any, name: str, seed: jax.Array, step: jax.Array,
+                 stochastic: bool) -> tuple[Any, Any]:
+    """A float32 optimizer state -> (``tree`` stored in state dtype ``name``, the block
+    scales' tree or None), as `state_dtype` stores it: each floating leaf of at least one
+    dimension rounded to nearest, or stochastically with the bits of (``seed``, stream
+    ``1 + k`` for the ``k``-th stored leaf, ``step``)."""
+    block = name in BLOCK_STATE_DTYPES
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out, scales, k = [], [], 0
+    for x in leaves:
+        if not _stored(x):
+            out.append(x)
+            scales.append(None)
+            continue
+        x = jnp.asarray(x).astype(_F32)
+        rand = random_bits(seed, 1 + k, step, x.shape) if stochastic else None
+        k += 1
+        scale = None
+        if block:
+            x, scale = quantize_state_8bit(x, name, rand)
+        elif name == "bfloat16":
+            x = bf16_from_pattern(rne_bf16_pattern(x) if rand is None
+                                  else sr_bf16_pattern(x, rand))
+        out.append(x)
+        scales.append(scale)
+    return treedef.unflatten(out), treedef.unflatten(scales) if block else None
+
+
+def decode_state(tree: Any, scales: Any) -> Any:
+    """A stored state (`encode_state`'s pair) -> float32, exactly for 16-bit state,
+    dequantised for 8-bit codes (``scales`` not None)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    per_leaf = ([None] * len(leaves) if scales is None else treedef.flatten_up_to(scales))
+    return treedef.unflatten([
+        dequantize_state_8bit(x, s) if s is not None
+        else x.astype(_F32) if _stored(x) else x
+        for x, s in zip(leaves, per_leaf)])
 
 
 def state_dtype(
@@ -128,50 +167,21 @@ def state_dtype(
         raise ValueError(f"`seed={seed}` has no effect: state_dtype({name!r}, "
                          f"rounding={rounding!r}) rounds nothing stochastically.")
     inner = as_transformation(inner)
-    block = name in BLOCK_STATE_DTYPES
-
-    def encode(tree, seed_arr, step, stochastic):
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        out, scales, k = [], [], 0
-        for x in leaves:
-            if not _stored(x):
-                out.append(x)
-                scales.append(None)
-                continue
-            x = jnp.asarray(x).astype(_F32)
-            rand = random_bits(seed_arr, 1 + k, step, x.shape) if stochastic else None
-            k += 1
-            scale = None
-            if block:
-                x, scale = quantize_state_8bit(x, name, rand)
-            elif name == "bfloat16":
-                x = bf16_from_pattern(rne_bf16_pattern(x) if rand is None
-                                      else sr_bf16_pattern(x, rand))
-            out.append(x)
-            scales.append(scale)
-        return treedef.unflatten(out), treedef.unflatten(scales) if block else None
-
-    def decode(tree, scales):
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        per_leaf = treedef.flatten_up_to(scales) if block else [None] * len(leaves)
-        return treedef.unflatten([
-            dequantize_state_8bit(x, s) if s is not None
-            else x.astype(_F32) if _stored(x) else x
-            for x, s in zip(leaves, per_leaf)])
 
     def init_fn(params):
         seed_arr, step = jnp.asarray(seed, jnp.uint32), jnp.zeros((), jnp.uint32)
         # A barrier: under jit XLA would constant-fold the encoding of the (constant)
         # initial state, slowly (seconds for an 8-bit leaf of 4M elements).
         first = jax.lax.optimization_barrier(inner.init(_to_f32(params)))
-        stored, scales = encode(first, seed_arr, step, False)
+        stored, scales = encode_state(first, name, seed_arr, step, False)
         return StateDtypeState(stored, scales, seed_arr, step)
 
     def update_fn(updates, state, params=None, **extra_args):
         inner_updates, new = inner.update(
-            _to_f32(updates), decode(state.inner_state, state.scales),
+            _to_f32(updates), decode_state(state.inner_state, state.scales),
             None if params is None else _to_f32(params), **extra_args)
-        stored, scales = encode(new, state.seed, state.step, rounding == "stochastic")
+        stored, scales = encode_state(new, name, state.seed, state.step,
+                                      rounding == "stochastic")
         like = updates if params is None else params
         out = jax.tree_util.tree_map(
             lambda u, x: u.astype(x.dtype) if _is_float(u) and _is_float(x) else u,

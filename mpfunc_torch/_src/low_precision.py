@@ -15,7 +15,11 @@ float32 masters, before its first step) to a `MasterStorage` (``"remainder"``,
   params (so that the optimizer checkpoint rebuilds the masters whichever of the model
   and optimizer checkpoints loads first, as float32 masters do) and the remainders or
   compensations; the state's stored tensors are in the inner optimizer's state_dict.
-  `check` validates all of it before `load` writes anything.
+  `check` validates all of it before `load` writes anything. A `convert_checkpoint`
+  result holds `FROM_MODEL` in place of the params and remainders: the float32 model
+  checkpoint converted with it sets them (`MasterStorage.follow_load_`); one from the
+  ``torch.distributed.checkpoint`` helpers holds it in place of the params only (the
+  model part holds them) and the remainders or compensations beside.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 import torch
 
 from mpfunc_torch._src.master_storage import MasterStorage, check_storage, raw
-from mpfunc_torch._src.master_weights import has_stepped, non_finite_names
+from mpfunc_torch._src.master_weights import FROM_MODEL, has_stepped, non_finite_names
 from mpfunc_torch._src.optimizer_parts import AmpOptimizerParts
 from mpfunc_torch._src.sharding import local
 from mpfunc_torch._src.state_dtype import StateDtype
@@ -83,6 +87,29 @@ class LowPrecision:
 
         return run
 
+    def make_state_(self, inner: Callable[[], Any]) -> None:
+        """Runs ``inner`` (a step of the inner optimizer with lr 0, to create its state)
+        on the float32 masters and state, then stores the state and frees the masters
+        without writing them back: no param, remainder or compensation changes (a Kahan
+        write-back of a zero update may move a param by an ulp and its compensation the
+        other way)."""
+        qs = [q for g in self.optimizer.param_groups for q in g["params"]
+              if q.grad is not None]
+        idx = self.storage.positions(qs) if self.storage is not None else []
+        if self.storage is not None:
+            self.storage.begin_(idx)
+        saved = self.state.begin_(qs) if self.state is not None else []
+        try:
+            inner()
+        except BaseException:
+            StateDtype.abort_(saved)
+            raise
+        finally:
+            if self.storage is not None:
+                self.storage.abort_(idx)
+        if self.state is not None:
+            self.state.end_(qs, self.step, saved)
+
     def advance(self) -> None:
         """One more step taken (the next one draws the random bits of the next step)."""
         self.step += 1
@@ -116,11 +143,14 @@ class LowPrecision:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"`{where}['step']` must be an int >= 0, got {step!r}.")
         s = self.storage
-        if s is None:
-            return dict(saved)
+        from_model = _from_model(saved["params"])
+        if s is None or (from_model and saved["extra"] is None):
+            return dict(saved)  # (a converted checkpoint's: the model's load sets them)
         params, extra = saved["params"], saved["extra"]
         for key, got, want in (("params", params, [p for p, _ in s.pairs]),
                                ("extra", extra, s.extra)):
+            if key == "params" and from_model:
+                continue  # (torch.distributed.checkpoint's: the model part holds them)
             if not isinstance(got, list | tuple) or len(got) != len(want):
                 n = len(got) if isinstance(got, list | tuple) else type(got).__name__
                 raise ValueError(f"`{where}[{key!r}]` must list {len(want)} tensors, got {n}.")
@@ -133,7 +163,8 @@ class LowPrecision:
                     found = (f"{t.dtype} of shape {tuple(t.shape)}"
                              if isinstance(t, torch.Tensor) else type(t).__name__)
                     raise ValueError(f"`{where}[{key!r}][{i}]` must be {what}, got {found}.")
-        floats = [(f"{where}['params'][{i}]", t) for i, t in enumerate(params)]
+        floats = [] if from_model else [(f"{where}['params'][{i}]", t)
+                                         for i, t in enumerate(params)]
         if s.kind == "kahan":
             floats += [(f"{where}['extra'][{i}]", t) for i, t in enumerate(extra)]
         bad = non_finite_names(floats)
@@ -150,10 +181,13 @@ class LowPrecision:
             if part is not None:
                 part.seed = self.seed
         s = self.storage
-        if s is None:
+        from_model = _from_model(checked["params"])
+        if s is None or (from_model and checked["extra"] is None):
             return
-        for (p, _), e, sp, se in zip(s.pairs, s.extra, checked["params"], checked["extra"]):
-            raw(p).copy_(local(sp))
+        params = [None] * len(s.pairs) if from_model else checked["params"]
+        for (p, _), e, sp, se in zip(s.pairs, s.extra, params, checked["extra"]):
+            if sp is not None:
+                raw(p).copy_(local(sp))
             if e is not None:
                 raw(e).copy_(local(se))
 
@@ -163,6 +197,10 @@ class LowPrecision:
         if self.state is not None:
             self.state.after_load_([q for g in self.optimizer.param_groups
                                     for q in g["params"]])
+
+
+def _from_model(params: Any) -> bool:
+    return isinstance(params, str) and params == FROM_MODEL
 
 
 def persistent_bytes(opt: AmpOptimizerParts, model: torch.nn.Module | None = None) -> int:

@@ -24,6 +24,7 @@ from mpfunc_torch._src.distributed import all_reduce_found_inf_
 from mpfunc_torch._src.sharding import is_dtensor, local, mesh_groups
 
 __all__ = [
+    "FROM_MODEL",
     "non_finite_names",
     "master_of",
     "make_masters",
@@ -43,6 +44,11 @@ __all__ = [
     "stored_in",
     "replace_master_",
 ]
+
+# What a `convert_checkpoint` result holds in place of masters, or of a storage's params
+# and remainders: they come from the float32 params of the model checkpoint converted
+# with it (the model's load sets them exactly, before or after the optimizer's).
+FROM_MODEL = "from the model's float32 checkpoint"
 
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (model param, its master)
 

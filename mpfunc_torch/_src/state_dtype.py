@@ -37,7 +37,7 @@ from mpfunc_torch._src.fp8.quantize import dequantize_fp8, quantize_fp8
 from mpfunc_torch._src.rounding import bits_for, element_index, stochastic_round_
 from mpfunc_torch._src.sharding import is_dtensor, local
 
-__all__ = ["STATE_DTYPES", "ROUNDINGS", "SCALE_SUFFIX", "StateDtype", "is_scale_key"]
+__all__ = ["STATE_DTYPES", "ROUNDINGS", "SCALE_SUFFIX", "StateDtype", "is_scale_key", "widen"]
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn,
@@ -139,7 +139,7 @@ class StateDtype:
                     continue
                 scale = st.pop(key + SCALE_SUFFIX, None)
                 saved.append((st, key, stored, scale))
-                st[key] = _widen(stored, scale, self.block)
+                st[key] = widen(stored, scale, self.block)
         return saved
 
     @staticmethod
@@ -252,7 +252,7 @@ def _quantize(value: torch.Tensor, name: str, block: int) -> tuple[torch.Tensor,
     return codes, scale.reshape(-1)
 
 
-def _widen(stored: torch.Tensor, scale: torch.Tensor | None, block: int) -> torch.Tensor:
+def widen(stored: torch.Tensor, scale: torch.Tensor | None, block: int) -> torch.Tensor:
     """A stored state tensor as float32 (exact for 16-bit dtypes; dequantised for 8)."""
     out = torch.empty_like(stored, dtype=_F32)
     s = local(stored)

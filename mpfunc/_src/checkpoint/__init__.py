@@ -1,1 +1,2 @@
-"""Checkpoints for JAX: `convert_checkpoint` (`convert`)."""
+"""Checkpoints for JAX: `convert_checkpoint` (`convert`), with the storages without
+float32 masters (`storage`)."""

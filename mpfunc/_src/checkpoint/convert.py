@@ -7,6 +7,13 @@ masters become the params; the other way, the float32 params become the masters.
 state of the optimizer you passed to `convert_to_amp` (Adam's moments, its step count)
 runs on float32 values in every mode that keeps float32 params or masters, and carries
 over as it is.
+
+Modes without float32 masters (mode ``"bf16"`` with ``master_weights`` ``"remainder"``,
+``"kahan"`` or ``"stochastic"``, and/or a ``state_dtype``) go through the float32
+values: a source's exact values are rebuilt (`_mpfunc_common.rounding`'s
+`join_remainder`, `kahan_master`, a stochastic param as it is), its state widened to
+float32, and a target's storage derived from them (`split_remainder`,
+`kahan_from_master`, round to nearest) with its state rounded to nearest.
 """
 
 from __future__ import annotations
@@ -19,12 +26,15 @@ import numpy as np
 import optax
 
 from _mpfunc_common.scale_config import WARM_OFF, WARM_UP
-from _mpfunc_common.storage import refuse_unwired_storage
+from mpfunc._src.checkpoint.storage import STORED, applied_steps, store, stored_masters
 from mpfunc._src.master_weights import MasterWeightsState
 from mpfunc._src.modes import AmpSetup
+from mpfunc._src.param_storage import StochasticRoundingState
 from mpfunc._src.scale_state import LossScaleState
+from mpfunc._src.state_dtype import StateDtypeState, decode_state, encode_state
 
 __all__ = ["convert_checkpoint"]
+
 
 
 def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) -> tuple[Any, Any]:
@@ -39,6 +49,22 @@ def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) ->
     goes on where it was, or counts as done where the source had none), and anywhere
     else the target starts from its own initial state. The links `convert_to_amp` adds
     (``clip_grad``, ``log_num_zeros_in_grad``) start afresh. Nothing passed in changes.
+
+    Mode ``"bf16"`` without float32 masters, to and from any of these (between two
+    such setups too), goes through the float32 values:
+
+    * ``master_weights="remainder"``: from a master, the bfloat16 param and int16
+      remainder that rebuild it bit for bit (the param rounded to nearest, ties away
+      from zero), so training goes on float32 masters' trajectory; back, that master.
+    * ``"kahan"``: the param is the master rounded to nearest, the compensation its
+      residual (master - param) rounded to bfloat16; back, ``param + compensation``.
+    * ``"stochastic"``: the param is the master rounded to nearest (one rounding: half
+      the error bound of a stochastic one); the seed is the target's, and the step count
+      the random bits go on from is the source's count of applied steps (its storage's
+      or state's ``step``, else the largest optax ``count`` in its state, else 0).
+      Back, the param's value.
+    * ``state_dtype``: the float32 state rounded to nearest (8-bit: quantised to
+      nearest), once; back, widened (8-bit codes dequantised).
 
     Args:
       params: the params of the run, as ``source`` keeps them (``amp.cast_params``'s).
@@ -55,8 +81,9 @@ def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) ->
     Raises:
       TypeError: ``source`` or ``target`` is neither an `AmpSetup` nor an optax
         optimizer.
-      ValueError: ``opt_state`` is not ``source``'s, or the optimizer states of the two
-        do not fit (they were built with different optax optimizers).
+      ValueError: ``opt_state`` is not ``source``'s (it lacks the masters, storage or
+        stored state ``source`` keeps, or ``params`` do not fit it), or the optimizer
+        states of the two do not fit (they were built with different optax optimizers).
 
     Examples:
       >>> import jax.numpy as jnp, optax, mpfunc
@@ -71,29 +98,42 @@ def convert_checkpoint(params: Any, opt_state: Any, source: Any, target: Any) ->
       >>> p2, s2 = mpfunc.convert_checkpoint(params, state, naive, bf16)
       >>> float(params["w"][0, 0]), float(p2["w"][0, 0])  # the float16 param, its master
       (1.0, 0.9998999834060669)
+      >>> rem = mpfunc.convert_to_amp(f, optax.sgd(1e-4), mode="bf16",
+      ...                             master_weights="remainder")
+      >>> p3, s3 = mpfunc.convert_checkpoint(params, state, naive, rem)
+      >>> p3["w"].dtype, int(s3.inner_state.remainders["w"][0, 0])  # bf16 1.0, 16 bits below
+      (dtype(bfloat16), -1678)
     """
-    truth, user, scale = _source(params, opt_state, source)
+    truth, user, scale, step = _source(params, opt_state, source)
     if _is_plain(target):
         return truth, user
     if not isinstance(target, AmpSetup):
         raise TypeError("`target` must be an AmpSetup (from mpfunc.convert_to_amp) or an "
                         f"optax optimizer, got {type(target).__name__}.")
     plan = target.plan
-    refuse_unwired_storage(plan, "mpfunc.convert_checkpoint", supported=("float32",))
     new_params = target.cast_params(truth)
     # The target's structure and first state: every mode's outermost transform is the loss
-    # scale (a unit one when AMP is off), so the state is a `LossScaleState`.
+    # scale (a unit one when AMP is off), so the state is a `LossScaleState`; inside it
+    # the masters or their storage (`master_weights`), then `state_dtype`'s.
     fresh = cast(LossScaleState, target.optimizer.init(new_params))
-    inner = fresh.inner_state
-    masters = plan.enabled and plan.master_weights
-    if masters:
+    inner = outer = fresh.inner_state
+    if plan.master_storage is not None:
         inner = inner.inner_state
+    stored = None
+    if plan.state_dtype is not None:
+        stored, inner = inner, decode_state(inner.inner_state, inner.scales)
     chained = plan.enabled and bool(plan.log_num_zeros_in_grad or plan.clip_grad)
     user = _fit(user, inner[-1] if chained else inner)
     if chained:
         user = (*inner[:-1], user)
-    if masters:
+    count = jnp.asarray(step, jnp.uint32)
+    if stored is not None and plan.state_dtype is not None:  # rounded to nearest, once
+        values, scales = encode_state(user, plan.state_dtype, stored.seed, count, False)
+        user = stored._replace(inner_state=values, scales=scales, step=count)
+    if plan.master_storage == "float32":
         user = MasterWeightsState(master_params=_copy(truth), inner_state=user)
+    elif plan.master_storage is not None:
+        new_params, user = store(plan.master_storage, truth, new_params, outer, user, count)
     state = fresh._replace(inner_state=user)
     if (scale is not None and plan.enabled and plan.scale_kind == "dynamic"
             and (c := plan.scale_config) is not None):
@@ -126,31 +166,44 @@ def _copy(tree: Any) -> Any:
         lambda x: jnp.array(x, jnp.float32, copy=True) if _is_float(x) else x, tree)
 
 
-def _source(params: Any, opt_state: Any, source: Any) -> tuple[Any, Any, Any]:
-    """The float32 truth of the params, the optax optimizer's state, and the
-    `LossScaleState` if ``source`` scales dynamically (else None)."""
+def _source(params: Any, opt_state: Any, source: Any) -> tuple[Any, Any, Any, Any]:
+    """The float32 truth of the params, the optax optimizer's state (float32), the
+    `LossScaleState` if ``source`` scales dynamically (else None), and its count of
+    applied steps (see `_steps`)."""
     if _is_plain(source):
-        return _copy(params), opt_state, None
+        return _copy(params), opt_state, None, applied_steps(opt_state, None)
     if not isinstance(source, AmpSetup):
         raise TypeError("`source` must be an AmpSetup (from mpfunc.convert_to_amp) or an "
                         f"optax optimizer, got {type(source).__name__}.")
     plan = source.plan
-    refuse_unwired_storage(plan, "mpfunc.convert_checkpoint", supported=("float32",))
     if not isinstance(opt_state, LossScaleState):
         raise ValueError("`opt_state` must be the state of `source.optimizer` (a "
                          f"LossScaleState at its root), got {type(opt_state).__name__}.")
-    inner, truth = opt_state.inner_state, None
-    if plan.enabled and plan.master_weights:
-        if not isinstance(inner, MasterWeightsState):
-            raise ValueError("`opt_state` holds no MasterWeightsState, but `source` ("
-                             f"{plan.describe()}) keeps master weights: is it this "
-                             "setup's state?")
+    inner, truth, step = opt_state.inner_state, None, None
+    storage = plan.master_storage
+    want = MasterWeightsState if storage == "float32" else STORED.get(storage or "")
+    if want is not None and not isinstance(inner, want):
+        raise ValueError(f"`opt_state` holds no {want.__name__}, but `source` ("
+                         f"{plan.describe()}) keeps its masters as {storage!r}: is it this "
+                         f"setup's state? Found {type(inner).__name__}.")
+    if isinstance(inner, MasterWeightsState):
         truth, inner = _copy(inner.master_params), inner.inner_state
+    elif storage in STORED:
+        truth = stored_masters(storage, params, inner)
+        step = inner.step if isinstance(inner, StochasticRoundingState) else None
+        inner = inner.inner_state
+    if plan.state_dtype is not None:
+        if not isinstance(inner, StateDtypeState):
+            raise ValueError("`opt_state` holds no StateDtypeState, but `source` stores its "
+                             f"optimizer state in {plan.state_dtype!r}: is it this setup's "
+                             f"state? Found {type(inner).__name__}.")
+        step = inner.step if step is None else step
+        inner = decode_state(inner.inner_state, inner.scales)
     if plan.enabled and (plan.log_num_zeros_in_grad or plan.clip_grad):
         inner = inner[-1]  # the optimizer after the links convert_to_amp chained before it
     dynamic = plan.enabled and plan.scale_kind == "dynamic"
     return truth if truth is not None else _copy(params), inner, (
-        opt_state if dynamic else None)
+        opt_state if dynamic else None), applied_steps(inner, step)
 
 
 def _fit(state: Any, like: Any) -> Any:

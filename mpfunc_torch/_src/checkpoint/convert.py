@@ -8,6 +8,15 @@ sets them exactly). The inner optimizer's state (Adam's moments, step counts) is
 float32 and keyed by the optimizer's param order in every mode, so it carries over as
 it is. The JAX twin is ``mpfunc.convert_checkpoint``.
 
+Mode ``"bf16"`` without float32 masters (``master_weights`` ``"remainder"``,
+``"kahan"``, ``"stochastic"``; a ``state_dtype``) goes through the float32 values: a
+source's are rebuilt from its ``"low_precision"`` part (a remainder's master exactly,
+Kahan's ``param + compensation``, a stochastic param as it is; `_mpfunc_common.rounding`)
+and its stored state widened to float32. A target's storage is derived when the
+converted model loads the float32 values (`MasterStorage.follow_load_`: the remainder
+split, Kahan's residual, rounding to nearest), and its state is rounded to nearest when
+the optimizer loads the float32 state, so the two loads may come in either order.
+
 Also here: the errors for a resume in the wrong order (`guard_inner_load`,
 `refuse_optimizer_state`); `AmpOptimizer.load_state_dict` says when a checkpoint is of
 another mode.
@@ -23,9 +32,10 @@ import torch
 
 from _mpfunc_common.amp_config import resolve_amp
 from _mpfunc_common.mixed_precision import mode_and_config
-from _mpfunc_common.storage import refuse_unwired_storage
-from mpfunc_torch._src.checkpoint.optimizer_state import FORMAT, FROM_MODEL
-from mpfunc_torch._src.master_weights import has_stepped, non_finite_names
+from mpfunc_torch._src.checkpoint.optimizer_state import FORMAT
+from mpfunc_torch._src.checkpoint.storage import applied_steps, stored_masters, widen_state
+from mpfunc_torch._src.master_weights import FROM_MODEL, has_stepped, non_finite_names
+from mpfunc_torch._src.storage_mode import check_storage_plan
 
 __all__ = ["convert_checkpoint", "guard_inner_load", "refuse_optimizer_state"]
 
@@ -53,6 +63,27 @@ def convert_checkpoint(
     scale (brought into that mode's range at load); anywhere else the new mode starts
     from its own initial scale, and a mode without scaling has none.
 
+    Mode ``"bf16"`` without float32 masters, to and from any of these (between two
+    such modes too), goes through the float32 values, as ``mpfunc.convert_checkpoint``
+    does, bit for bit:
+
+    * ``master_weights="remainder"``: the converted model's load splits each float32
+      value into the bfloat16 param and int16 remainder that rebuild it bit for bit
+      (ties away from zero), so training goes on float32 masters' trajectory; back,
+      the model checkpoint gets that master.
+    * ``"kahan"``: the param is the value rounded to nearest, the compensation its
+      residual rounded to bfloat16; back, ``param + compensation``.
+    * ``"stochastic"``: the param is the value rounded to nearest; the seed is the
+      target's (``seed=``), and the step count the random bits go on from is the
+      source's count of applied steps (its ``low_precision`` step, else the largest
+      ``"step"`` in the inner state, else 0). Back, the param's value.
+    * ``state_dtype``: the float32 state is rounded to nearest (8-bit: quantised to
+      nearest) when the converted optimizer loads it; back, widened (8-bit codes
+      dequantised); 8-bit codes already in the target's format stay as they are.
+
+    The optimizer part then holds `FROM_MODEL` in place of the params and remainders:
+    load the model part too (in either order).
+
     Args:
       model_state_dict: the model's ``state_dict()`` saved with the optimizer's (the
         converted model's, whose keys are the module's; a ``DistributedDataParallel``
@@ -74,7 +105,9 @@ def convert_checkpoint(
       ValueError: an optimizer state_dict that is neither kind, a mode's name or keys
         that ``convert_to_amp`` would refuse, master weights whose params are not in
         ``model_state_dict`` (or of another shape), a checkpoint saved before its
-        masters were named (load it in its own mode and save it again), or several
+        masters were named (load it in its own mode and save it again), a
+        ``"low_precision"`` part that does not hold what its storage keeps, 8-bit
+        state with stochastic rounding (``convert_to_amp`` refuses it too), or several
         loss scales (``num_losses``) where the new mode has another number.
 
     Examples:
@@ -86,9 +119,14 @@ def convert_checkpoint(
       ...     model.state_dict(), opt.state_dict(), "bf16")
       >>> msd["weight"].dtype, osd["mode"], osd["optimizer"]["param_groups"][0]["lr"]
       (torch.float32, 'bf16', 0.001)
+      >>> msd, osd = mpfunc_torch.convert_checkpoint(
+      ...     model.state_dict(), opt.state_dict(), "bf16", master_weights="remainder")
+      >>> osd["low_precision"]["storage"], osd["low_precision"]["step"]
+      ('remainder', 0)
     """
-    source = _source(optimizer_state_dict)
     plan = _target(mode, mixed_precision, config)
+    keep = plan.state_dtype if plan is not None and plan.enabled else None
+    source = _source(optimizer_state_dict, keep)
     model_out = _model_part(model_state_dict, source)
     if plan is None:
         return model_out, source["inner"]
@@ -101,11 +139,19 @@ def convert_checkpoint(
                 f"{len(scalers)}); the mode converted to has {plan.num_losses}. Convert to a "
                 f"mode with num_losses={len(scalers)}, or load the scales yourself.")
     masters = FROM_MODEL if plan.enabled and plan.master_weights else None
-    return model_out, {
+    out = {
         "format": FORMAT, "mode": plan.mode, "opt_level": plan.opt_level,
         "optimizer": source["inner"], "scalers": scalers, "master_weights": masters,
         "master_names": None,
     }
+    if plan.enabled and (plan.master_storage not in (None, "float32")
+                         or plan.state_dtype not in (None, "float32")):
+        stored = plan.master_storage not in (None, "float32")
+        out["low_precision"] = {  # the params and remainders: from the model's load
+            "storage": plan.master_storage or "float32", "seed": plan.seed,
+            "step": source["step"], "params": FROM_MODEL if stored else None,
+            "extra": None}
+    return model_out, out
 
 
 def _target(mode: Any, mixed_precision: Any, config: dict[str, Any]):
@@ -118,19 +164,21 @@ def _target(mode: Any, mixed_precision: Any, config: dict[str, Any]):
             raise ValueError(f"mode='fp32' (plain torch) takes no keys, got {sorted(config)}.")
         return None
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
-    refuse_unwired_storage(plan, "mpfunc_torch.convert_checkpoint")
+    check_storage_plan(plan)
     return plan
 
 
-def _source(sd: Any) -> dict[str, Any]:
-    """What the optimizer checkpoint holds: inner state, masters (with their params'
-    names), and whether its scale is dynamic (with the scaler states)."""
+def _source(sd: Any, keep: str | None = None) -> dict[str, Any]:
+    """What the optimizer checkpoint holds: inner state (widened to float32, but for
+    8-bit state already in ``keep``), masters (with their params' names; rebuilt from a
+    storage), whether its scale is dynamic (with the scaler states), and its count of
+    applied steps (`applied_steps`)."""
     if not isinstance(sd, Mapping):
         raise ValueError("`optimizer_state_dict` must be an AmpOptimizer or torch optimizer "
                          f"state_dict, got {type(sd).__name__}.")
     if set(sd) == set(_PLAIN):
         return {"inner": dict(sd), "masters": [], "names": [], "dynamic": False,
-                "scalers": None}
+                "scalers": None, "step": applied_steps(sd, None)}
     missing = [k for k in _AMP if k not in sd]
     if missing:
         raise ValueError(
@@ -149,6 +197,11 @@ def _source(sd: Any) -> dict[str, Any]:
     if isinstance(masters, str) and masters == FROM_MODEL:
         masters = None  # itself converted: its masters are the model's params already
     masters = list(masters or ())
+    low = sd.get("low_precision")
+    if low is not None:
+        stored = stored_masters(low)  # (validated whether or not it holds masters)
+        masters = masters or stored
+        inner = widen_state(inner, keep)
     names = sd.get("master_names")
     if masters and names is None:
         raise ValueError(
@@ -163,7 +216,8 @@ def _source(sd: Any) -> dict[str, Any]:
     dynamic = isinstance(scalers, list | tuple) and bool(scalers) and all(
         isinstance(s, Mapping) and s.get("kind") == "dynamic" for s in scalers)
     return {"inner": dict(inner), "masters": masters, "names": list(names or ()),
-            "dynamic": dynamic, "scalers": list(scalers) if dynamic else None}
+            "dynamic": dynamic, "scalers": list(scalers) if dynamic else None,
+            "step": applied_steps(inner, None if low is None else low["step"])}
 
 
 def _model_part(model_sd: Any, source: dict[str, Any]) -> dict[str, Any]:

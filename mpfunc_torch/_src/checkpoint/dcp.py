@@ -9,6 +9,13 @@ master (``"master_weight"``, a DTensor shard under FSDP2), and add the loss-scal
 under ``"mpfunc"``. torch then does the rest: parameter names, DTensor shards,
 ``StateDictOptions`` (full or sharded, CPU offload), and ``dcp.save`` / ``dcp.load``
 reshard on load, e.g. from 2 ranks to 4.
+
+Masters kept below float32 (mode ``"bf16"`` with ``master_weights`` ``"remainder"``,
+``"kahan"``, ``"stochastic"``) have no float32 tensor to save: each param's state holds
+its remainder or compensation instead (``"master_extra"``, sharded like the param), the
+model part the bfloat16 params, and ``"mpfunc"`` the storage, seed and step count.
+Optimizer state stored in bfloat16 is saved as it is stored; 8-bit state (per-block
+scales of each rank's shard) is refused here.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import torch.utils._pytree
 from torch import nn
 
 from mpfunc_torch._src.checkpoint import optimizer_state
+from mpfunc_torch._src.master_weights import FROM_MODEL
 
-__all__ = ["get_state_dict", "set_state_dict", "MASTER_KEY", "MPFUNC_KEY"]
+__all__ = ["get_state_dict", "set_state_dict", "MASTER_KEY", "EXTRA_KEY", "MPFUNC_KEY"]
 
 MASTER_KEY = "master_weight"
+EXTRA_KEY = "master_extra"  # a stored master's remainder or Kahan compensation
 MPFUNC_KEY = "mpfunc"
 
 
@@ -49,14 +58,17 @@ def _amp_optimizers(optimizers: Any) -> list:
             raise TypeError("`optimizers` must be the AmpOptimizer(s) from convert_to_amp (for "
                             "a plain torch optimizer use torch.distributed.checkpoint."
                             f"state_dict directly), got {type(o).__name__}.")
-    low = [getattr(o, "_lowp", None) for o in opts]  # mpfunc_torch._src.low_precision
-    if any(lp is not None for lp in low):
-        kind = next(lp.kind for lp in low if lp is not None)
-        raise ValueError(f"`optimizers` keep their masters as {kind!r} or their state below "
-                         "float32, which torch.distributed.checkpoint does not take through "
-                         "these functions yet; save AmpOptimizer.state_dict() (its "
-                         "remainders, compensation and stored state are sharded like the "
-                         "params) with the model's state_dict instead.")
+    for o in opts:  # 8-bit state's scales are per local shard: no tensor DCP can reshard
+        lp = getattr(o, "_lowp", None)  # mpfunc_torch._src.low_precision
+        names = set() if lp is None or lp.state is None else (
+            set(lp.state.dtypes.values()) | {lp.state.default})
+        if names & {"float8_e4m3fn", "float8_e5m2"}:
+            raise ValueError(
+                "`optimizers` store their state in 8 bits, with one scale per block of each "
+                "rank's shard, which torch.distributed.checkpoint cannot reshard; save "
+                "AmpOptimizer.state_dict() with the model's state_dict instead (bfloat16 "
+                "state, remainders, compensation and stochastic rounding go through these "
+                "functions).")
     shared = opts[0]._shared
     if any(o._shared is not shared for o in opts):
         raise ValueError("`optimizers` must come from one convert_to_amp call (one shared "
@@ -74,9 +86,14 @@ def _inner_module(model: nn.Module) -> nn.Module:
     return model
 
 
-def _init_inner_state(inner: torch.optim.Optimizer) -> None:
+def _init_inner_state(amp: Any) -> None:
     """Creates the inner optimizer's state without changing anything else: a step with
-    zero gradients and lr 0 (what torch's checkpoint does for a fresh optimizer)."""
+    zero gradients and lr 0 (what torch's checkpoint does for a fresh optimizer). With
+    masters or state kept below float32, the step runs on their float32 values and
+    writes only the new state back (`LowPrecision.make_state_`); the step count of the
+    random bits does not move."""
+    inner = amp.optimizer
+    lowp = getattr(amp, "_lowp", None)
     owned = [q for g in inner.param_groups for q in g["params"]]
     if inner.state or any(q.grad is not None for q in owned):
         return
@@ -88,7 +105,7 @@ def _init_inner_state(inner: torch.optim.Optimizer) -> None:
         if "lr" in g:
             g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
     try:
-        inner.step()
+        inner.step() if lowp is None else lowp.make_state_(inner.step)
     finally:
         for g, lr in zip(inner.param_groups, lrs):
             if lr is not None:
@@ -112,8 +129,12 @@ class _View(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        master_of = {id(m): m for _, m in amp._pairs}
+        storage = amp._lowp.storage if getattr(amp, "_lowp", None) is not None else None
+        master_of = {id(m): m for _, m in amp._pairs} if storage is None else {}
         self.masters = [master_of.get(id(q)) for q in amp._owned]  # None: no master
+        extra_of = {} if storage is None else {
+            id(w): e for (_, w), e in zip(storage.pairs, storage.extra)}
+        self.extras = [extra_of.get(id(q)) for q in amp._owned]  # remainders, compensation
         self.param_groups = [
             {**{k: v for k, v in g.items() if k != "params"},
              "params": [amp._sources[i] for i in _indices(self.inner, gi)]}
@@ -121,10 +142,12 @@ class _View(torch.optim.Optimizer):
         ]
         self.defaults = self.inner.defaults
         self.state = {}
-        for q, src, m in zip(amp._owned, amp._sources, self.masters):
+        for q, src, m, e in zip(amp._owned, amp._sources, self.masters, self.extras):
             st = dict(self.inner.state.get(q, {}))
             if m is not None:
                 st[MASTER_KEY] = m
+            if e is not None:
+                st[EXTRA_KEY] = e
             if st:
                 self.state[src] = st
         self.loaded: dict[str, Any] | None = None
@@ -133,16 +156,18 @@ class _View(torch.optim.Optimizer):
         sd = self.inner.state_dict()
         # torch's state_dict hands out the live per-param dicts: add to copies of them
         sd["state"] = {pid: dict(st) for pid, st in sd["state"].items()}
-        for pid, m in enumerate(self.masters):
+        for pid, (m, e) in enumerate(zip(self.masters, self.extras)):
             if m is not None:
                 sd["state"].setdefault(pid, {})[MASTER_KEY] = m.detach()
+            if e is not None:
+                sd["state"].setdefault(pid, {})[EXTRA_KEY] = e.detach()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loaded = state_dict
 
     def step(self, closure=None):  # torch's checkpoint calls it to create missing state
-        _init_inner_state(self.inner)
+        _init_inner_state(self.amp)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:
@@ -165,8 +190,9 @@ def get_state_dict(model: nn.Module, optimizers: Any, *,
 
     Returns ``(model_state_dict, optim_state_dict)`` for ``torch.distributed.checkpoint``
     ``save`` / ``load``. The optimizer part is torch's layout, keyed by parameter name,
-    with a ``"master_weight"`` entry in each param's state (mode naive, apex O2) and the
-    loss-scale state under ``"mpfunc"``. Both parts are snapshots (copies, one more copy
+    with a ``"master_weight"`` entry in each param's state (mode naive, apex O2), or its
+    remainder or compensation (``"master_extra"``: mode bf16 without float32 masters),
+    and the loss-scale state under ``"mpfunc"`` (with the storage, seed and step count). Both parts are snapshots (copies, one more copy
     of this rank's shards while they live): ``dcp.load`` into them changes nothing in
     the model or the optimizers until `set_state_dict` has checked it all (torch's own
     ``get_model_state_dict`` hands out the live params, so ``dcp.load`` would write the
@@ -190,13 +216,16 @@ def get_state_dict(model: nn.Module, optimizers: Any, *,
     opts = _amp_optimizers(optimizers)
     module = _inner_module(model)
     for o in opts:
-        _init_inner_state(o.optimizer)
+        _init_inner_state(o)
     views = [_View(o) for o in opts]
     model_sd = _snapshot(api.get_model_state_dict(module, options=options))
     optim_sd = _snapshot(api.get_optimizer_state_dict(module, views, options=options))
     own = opts[0].state_dict()
     optim_sd[MPFUNC_KEY] = {"format": own["format"], "mode": own["mode"],
                             "opt_level": own["opt_level"], "scalers": own["scalers"]}
+    if "low_precision" in own:  # the storage, seed and step (the same in every optimizer)
+        optim_sd[MPFUNC_KEY]["low_precision"] = {
+            k: own["low_precision"][k] for k in ("storage", "seed", "step")}
     return model_sd, optim_sd
 
 
@@ -213,8 +242,8 @@ def set_state_dict(model: nn.Module, optimizers: Any, *, model_state_dict: dict[
 
     Raises:
       ValueError: ``optim_state_dict`` lacks the ``"mpfunc"`` entry (it was not made by
-        `get_state_dict`), the model state does not fit the model, or any check of
-        `AmpOptimizer.load_state_dict` fails.
+        `get_state_dict`), the model state does not fit the model, any check of
+        `AmpOptimizer.load_state_dict` fails, or the optimizers keep 8-bit state.
     """
     api = _checkpoint_api()
     opts = _amp_optimizers(optimizers)
@@ -271,9 +300,18 @@ def _to_amp_state_dict(view: _View, own: dict[str, Any]) -> dict[str, Any]:
     for name, st in loaded["state"].items():
         st = dict(st)
         st.pop(MASTER_KEY, None)
+        st.pop(EXTRA_KEY, None)
         if st:
             state[pid_of[name]] = st
     by_pid = {pid_of[n]: st for n, st in loaded["state"].items()}
+    low = own.get("low_precision")
+    if low is not None:  # the bfloat16 params come from the model part, loaded first
+        pids = {id(q): i for i, q in enumerate(view.amp._owned)}
+        storage = view.amp._lowp.storage
+        extra = None if storage is None else [
+            None if e is None else by_pid.get(pids[id(w)], {}).get(EXTRA_KEY)
+            for (_, w), e in zip(storage.pairs, storage.extra)]
+        low = {**low, "params": None if storage is None else FROM_MODEL, "extra": extra}
     for pid in master_pids:
         st = by_pid.get(pid, {})
         if MASTER_KEY not in st:
@@ -286,14 +324,16 @@ def _to_amp_state_dict(view: _View, own: dict[str, Any]) -> dict[str, Any]:
         groups.append({**{k: v for k, v in g.items() if k != "params"},
                        "params": [pid_of[n] for n in g["params"]]})
     _check_sequence(masters, view)
-    return {"format": own["format"], "mode": own["mode"], "opt_level": own["opt_level"],
-            "optimizer": {"state": state, "param_groups": groups},
-            "scalers": own["scalers"], "master_weights": masters or None}
+    out = {"format": own["format"], "mode": own["mode"], "opt_level": own["opt_level"],
+           "optimizer": {"state": state, "param_groups": groups},
+           "scalers": own["scalers"], "master_weights": masters or None}
+    return out if low is None else {**out, "low_precision": low}
 
 
 def _check_sequence(masters: Sequence[torch.Tensor], view: _View) -> None:
     # The masters come in the view's param order, which is the AmpOptimizer's pair order.
     order = [id(m) for m in view.masters if m is not None]
-    pairs = [id(m) for _, m in view.amp._pairs]
+    stored = getattr(view.amp, "_lowp", None) is not None and view.amp._lowp.storage is not None
+    pairs = [] if stored else [id(m) for _, m in view.amp._pairs]  # (stored: no masters)
     if order != pairs:  # pragma: no cover - an internal invariant
         raise RuntimeError("master weights are not in pair order; please report this.")

@@ -25,6 +25,7 @@ from _mpfunc_common.scale_config import (
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.low_precision import low_precision_of
 from mpfunc_torch._src.master_weights import (
+    FROM_MODEL,
     check_saved_masters,
     copy_masters_to_model_,
     non_finite_names,
@@ -36,9 +37,6 @@ __all__ = ["FORMAT", "FROM_MODEL", "save", "check", "load", "master_names"]
 
 FORMAT = 1
 _KEYS = ("format", "mode", "opt_level", "optimizer", "scalers", "master_weights")
-# `master_weights` of a `convert_checkpoint` result for a mode with masters: they are
-# the float32 params of the model checkpoint converted with it (its load sets them).
-FROM_MODEL = "from the model's float32 checkpoint"
 # torch.amp.GradScaler.state_dict() (ShardedGradScaler's too), of a run moving from it.
 _GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
                      "_growth_tracker")
