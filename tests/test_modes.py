@@ -237,13 +237,16 @@ def test_bf16_without_float32_masters_trains_close_to_float32(cfg):
     assert abs(ours - theirs) / theirs < 0.05, (ours, theirs)
 
 
-def test_convert_checkpoint_refuses_storage_it_does_not_map_yet():
+def test_convert_checkpoint_maps_a_float32_run_to_remainder_storage_and_back():
+    # (It refused the storages before; tests/test_checkpoint_convert_storage.py has the rest.)
     f32 = mpfunc.convert_to_amp(apply, adam(1e-3), mode="torch", enabled=False)
     rem = mpfunc.convert_to_amp(apply, adam(1e-3), mode="bf16", master_weights="remainder")
     params = init(jax.random.key(0))
-    with pytest.raises(ValueError, match="mpfunc.convert_checkpoint does not support mode "
-                                         "'bf16' with master_weights='remainder'"):
-        mpfunc.convert_checkpoint(params, f32.optimizer.init(params), f32, rem)
+    p, s = mpfunc.convert_checkpoint(params, f32.optimizer.init(params), f32, rem)
+    assert {x.dtype for x in jax.tree.leaves(p)} == {jnp.dtype(jnp.bfloat16)}
+    back, _ = mpfunc.convert_checkpoint(p, s, rem, f32)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
 
 
 def test_modes_match_the_torch_side_table():
