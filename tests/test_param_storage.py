@@ -21,6 +21,8 @@ from lenient import adam, lenient
 
 import mpfunc
 from _mpfunc_common import rounding as R
+from mpfunc._src.master_weights import MasterWeightsState
+from mpfunc._src.param_storage import RemainderState
 
 N = 64  # elements of the hypothesis tests' param
 
@@ -378,3 +380,51 @@ def test_bytes_per_parameter_measured_from_the_buffers():
     assert got["remainder + bf16"] <= 8.1 and got["kahan + bf16"] <= 8.1
     assert got["stochastic + bf16"] <= 6.1
     assert got["stochastic + 8-bit"] <= 4.1
+
+
+def _found(state, kind):
+    return next(x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind))
+                if isinstance(x, kind))
+
+
+@pytest.mark.parametrize("storage", ["remainder", "kahan", "stochastic"])
+@pytest.mark.parametrize("through", ["convert_to_amp", "dynamic_scale"])
+def test_a_loss_scale_around_a_storage_passes_its_float32_updates_on(storage, through):
+    # The loss-scale transform cast every update to its param's dtype, so a step that
+    # carries a param past zero or shrinks it by more than half (a bias near zero under
+    # Adam) landed one rounding off and the remainder saturated: the run left float32
+    # masters' trajectory. Under standard promotion the storages' float32 updates pass
+    # through, and land where float32 masters' do.
+    def build(storage):
+        sgd = optax.sgd(0.3)  # float32 steps from bfloat16 gradients, as Adam's are
+        if through == "convert_to_amp":
+            return mpfunc.convert_to_amp(lambda p, x: x, sgd, mode="bf16",
+                                         master_weights=storage).optimizer
+        return mpfunc.dynamic_scale(mpfunc.master_weights(sgd, storage=storage))
+
+    params = {"w": jnp.asarray([0.00274658203125, -0.0091552734375, -0.0096435546875,
+                                0.006256103515625], jnp.bfloat16)}  # exact bfloat16s
+    # Steps the size of the params: rounded to bfloat16 and added in bfloat16, three of
+    # the four land off their targets.
+    g = jnp.asarray([0.01013, -0.03223, -0.04042, 0.02759], jnp.bfloat16)
+
+    def step(tx):
+        state = tx.init(params)
+        grads = {"w": g * mpfunc.loss_scale(state).astype(jnp.bfloat16)}  # scaled loss's
+        u, state = jax.jit(standard(tx.update))(grads, state, params)
+        with jax.numpy_dtype_promotion("standard"):
+            return u, optax.apply_updates(params, u), state
+
+    u, new, state = step(build(storage))
+    assert u["w"].dtype == jnp.float32
+    master = np.asarray(_found(step(build("float32"))[2], MasterWeightsState)
+                        .master_params["w"])
+    if storage == "remainder":
+        joined = R.join_remainder(bits(new["w"]), _found(state, RemainderState)
+                                  .remainders["w"])
+        np.testing.assert_array_equal(R.f32_bits(joined), R.f32_bits(master))
+    elif storage == "kahan":
+        np.testing.assert_array_equal(bits(new["w"]), bits(master.astype(jnp.bfloat16)))
+    else:  # stochastic: one of the two bfloat16 neighbours of the master
+        toward_zero = (R.f32_bits(master) >> 16).astype(np.uint16)
+        assert np.isin(bits(new["w"]) - toward_zero, [0, 1]).all()

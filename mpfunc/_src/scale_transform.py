@@ -22,6 +22,7 @@ from _mpfunc_common.scale_config import (
 )
 from mpfunc._src.distributed import AxisName, _is_float, check_axis_name, finite_and_flags
 from mpfunc._src.exact_skip import cond_skip_update, neg_zeros_like, skip_update
+from mpfunc._src.param_storage import KahanState, RemainderState, StochasticRoundingState
 from mpfunc._src.scale_rule import (
     as_transformation,
     check_inner_state,
@@ -35,6 +36,18 @@ from mpfunc._src.skip_record import skip_record, skip_record_init
 __all__ = ["_scale_transform"]
 
 _INT32_MAX = 2**31 - 1
+
+
+_STORAGE_STATES = (RemainderState, KahanState, StochasticRoundingState)
+
+
+def _holds_a_storage(inner_state: Any) -> bool:
+    """Whether ``inner_state`` has a bfloat16 storage's state (remainder, kahan,
+    stochastic) in it. Its float32 updates land every param exactly (see
+    `mpfunc._src.param_storage`); rounded to the param's dtype, a large step may land
+    one rounding off and the remainder saturates, so they are passed on as they are."""
+    return any(isinstance(x, _STORAGE_STATES) for x in jax.tree_util.tree_leaves(
+        inner_state, is_leaf=lambda x: isinstance(x, _STORAGE_STATES)))
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -137,7 +150,8 @@ def _scale_transform(
                 raise
             if leaf_shapes(new_inner) != leaf_shapes(state.inner_state):
                 check_inner_state(inner, state, params if params is not None else grads)
-        new_updates = _cast_like(new_updates, like)
+        if not _holds_a_storage(state.inner_state):
+            new_updates = _cast_like(new_updates, like)
 
         if cfg is not None:
             scale, tracker, hyst, warm = next_scale(cfg, state, finite)
