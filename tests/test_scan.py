@@ -116,7 +116,14 @@ def test_every_mode_runs_the_scan_body_in_its_dtypes(name):
         assert vec.count(F32) == 4 and F16 in vec  # ln1, ln2 (scale, bias); linear biases
 
 
-@pytest.mark.parametrize("name", list(MODES))
+# The default suite lowers fp32 (and its unrolled form), naive (float32 masters),
+# bf16-stochastic (no masters) and fp8 at two depths; the other modes in the slow suite:
+# their scans are the same body with other dtypes, held by the dtype test above.
+DEPTH_MODES = [m if m in ("fp32", "naive", "bf16-stochastic", "fp8")
+               else pytest.param(m, marks=pytest.mark.slow) for m in MODES]
+
+
+@pytest.mark.parametrize("name", DEPTH_MODES)
 def test_the_scanned_step_does_not_grow_with_depth(name):
     # The proxy for compile time (measured in BENCHMARKS.md): the program XLA compiles
     # has as many matmuls at 12 layers as at 2.
