@@ -352,7 +352,16 @@ def test_the_fp8_mode_converts_a_flax_scan_body(model, name):
     flax_check(scanned_fn, None, variables, sites, name, numbers=False)
 
 
-@pytest.mark.parametrize("model", [linen_model, nnx_model], ids=["linen", "nnx"])
-@pytest.mark.parametrize("name", NUMBER_RECIPES)
+# The default suite checks tensorwise on Linen and delayed on NNX (each API and each
+# recipe kind once); the other pairs and the rowwise/blockwise recipes in the slow suite.
+FLAX_NUMBERS = [
+    pytest.param(model, p.values[0] if hasattr(p, "values") else p,
+                 id=f"{p.values[0] if hasattr(p, 'values') else p}-{api}",
+                 marks=() if (p, api) in (("tensorwise", "linen"), ("delayed", "nnx"))
+                 else pytest.mark.slow)
+    for p in NUMBER_RECIPES for model, api in ((linen_model, "linen"), (nnx_model, "nnx"))]
+
+
+@pytest.mark.parametrize("model, name", FLAX_NUMBERS)
 def test_a_flax_scan_model_in_fp8_matches_its_layers_applied_one_by_one(model, name):
     flax_check(*model(), name, numbers=True)
