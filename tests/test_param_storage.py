@@ -387,14 +387,15 @@ def _found(state, kind):
                 if isinstance(x, kind))
 
 
-@pytest.mark.parametrize("storage", ["remainder", "kahan", "stochastic"])
+@pytest.mark.parametrize("storage", ["float32", "remainder", "kahan", "stochastic"])
 @pytest.mark.parametrize("through", ["convert_to_amp", "dynamic_scale"])
 def test_a_loss_scale_around_a_storage_passes_its_float32_updates_on(storage, through):
     # The loss-scale transform cast every update to its param's dtype, so a step that
     # carries a param past zero or shrinks it by more than half (a bias near zero under
     # Adam) landed one rounding off and the remainder saturated: the run left float32
-    # masters' trajectory. Under standard promotion the storages' float32 updates pass
-    # through, and land where float32 masters' do.
+    # masters' trajectory (and float32 masters' own params landed off their rounded
+    # masters). Under standard promotion the float32 updates pass through, and land
+    # where float32 masters' do.
     def build(storage):
         sgd = optax.sgd(0.3)  # float32 steps from bfloat16 gradients, as Adam's are
         if through == "convert_to_amp":
@@ -419,7 +420,9 @@ def test_a_loss_scale_around_a_storage_passes_its_float32_updates_on(storage, th
     assert u["w"].dtype == jnp.float32
     master = np.asarray(_found(step(build("float32"))[2], MasterWeightsState)
                         .master_params["w"])
-    if storage == "remainder":
+    if storage == "float32":  # the params are the masters rounded to nearest, as torch's
+        np.testing.assert_array_equal(bits(new["w"]), bits(master.astype(jnp.bfloat16)))
+    elif storage == "remainder":
         joined = R.join_remainder(bits(new["w"]), _found(state, RemainderState)
                                   .remainders["w"])
         np.testing.assert_array_equal(R.f32_bits(joined), R.f32_bits(master))

@@ -58,13 +58,15 @@ def master_weights(
 
     With ``"float32"``:
     ``inner`` runs on the float32 masters with float32 gradients, so updates smaller
-    than half precision's resolution still accumulate. The emitted updates are in each
-    parameter's dtype: ``round(new_master) - param``, rounded to that dtype, so that
-    ``optax.apply_updates(params, updates)`` gives the rounded master. That is exact
-    whenever the new value is within a factor of two of the old one (Sterbenz's lemma),
-    i.e. for any step small relative to the parameter. A step that moves a parameter by
-    more than its own magnitude can land one rounding (of the step's size) away: no
-    half-precision update can always hit the target then. The master itself is always exact, and each
+    than half precision's resolution still accumulate. The emitted update of a half
+    param is ``round(new_master) - param``, so that ``optax.apply_updates(params,
+    updates)`` gives the rounded master. Under JAX's default (standard) promotion it is
+    float32 and exact, and every param lands on its rounded master. Under strict
+    promotion it is rounded to the param's dtype: exact whenever the new value is within
+    a factor of two of the old one (Sterbenz's lemma), i.e. for any step small relative
+    to the parameter; a step that moves a parameter by more than its own magnitude can
+    land one rounding (of the step's size) away: no half-precision update can always
+    hit the target then. The master itself is always exact, and each
     step recomputes from it, so such an error is corrected on the next step and never
     accumulates. float32 parameters get ``inner``'s own updates and stay identical to
     their masters.
@@ -146,12 +148,20 @@ def master_weights(
             grads, state.inner_state, state.master_params, **extra_args
         )
         new_master = optax.apply_updates(state.master_params, inner_updates)
+        # Standard promotion: float32 updates, which apply_updates adds in float32 and
+        # rounds once, landing every param on its rounded master; strict promotion
+        # refuses bfloat16 + float32, so there they are in the param's dtype.
+        exact = (jax.config.jax_numpy_dtype_promotion  # pyright: ignore[reportAttributeAccessIssue]  # jax sets its options as attributes at run time
+                 != "strict")
 
         def emit(p, u, m_new):
             if not _is_float(p):
                 return u
             if p.dtype == jnp.float32:
                 return u.astype(jnp.float32)
+            if exact:  # float32, exact: apply_updates lands on the rounded master
+                d = m_new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+                return jnp.where(d == 0, jnp.float32(-0.0), d)
             d = (m_new.astype(p.dtype) - p).astype(p.dtype)
             # A zero step is -0.0, so that a parameter whose rounded master did not
             # move keeps every bit (p + -0.0 == p, where -0.0 + +0.0 would be +0.0).

@@ -22,6 +22,7 @@ from _mpfunc_common.scale_config import (
 )
 from mpfunc._src.distributed import AxisName, _is_float, check_axis_name, finite_and_flags
 from mpfunc._src.exact_skip import cond_skip_update, neg_zeros_like, skip_update
+from mpfunc._src.master_weights import MasterWeightsState
 from mpfunc._src.param_storage import KahanState, RemainderState, StochasticRoundingState
 from mpfunc._src.scale_rule import (
     as_transformation,
@@ -38,14 +39,14 @@ __all__ = ["_scale_transform"]
 _INT32_MAX = 2**31 - 1
 
 
-_STORAGE_STATES = (RemainderState, KahanState, StochasticRoundingState)
+_STORAGE_STATES = (MasterWeightsState, RemainderState, KahanState, StochasticRoundingState)
 
 
 def _holds_a_storage(inner_state: Any) -> bool:
-    """Whether ``inner_state`` has a bfloat16 storage's state (remainder, kahan,
-    stochastic) in it. Its float32 updates land every param exactly (see
-    `mpfunc._src.param_storage`); rounded to the param's dtype, a large step may land
-    one rounding off and the remainder saturates, so they are passed on as they are."""
+    """Whether ``inner_state`` has `master_weights`' state in it (float32 masters,
+    remainder, kahan, stochastic). Its float32 updates land every param exactly (see
+    `mpfunc.master_weights`); rounded to the param's dtype, a large step may land one
+    rounding off (a remainder then saturates), so they are passed on as they are."""
     return any(isinstance(x, _STORAGE_STATES) for x in jax.tree_util.tree_leaves(
         inner_state, is_leaf=lambda x: isinstance(x, _STORAGE_STATES)))
 
