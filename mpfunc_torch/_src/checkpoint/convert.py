@@ -35,7 +35,6 @@ from _mpfunc_common.mixed_precision import mode_and_config
 from mpfunc_torch._src.checkpoint.optimizer_state import FORMAT
 from mpfunc_torch._src.checkpoint.storage import applied_steps, stored_masters, widen_state
 from mpfunc_torch._src.master_weights import FROM_MODEL, has_stepped, non_finite_names
-from mpfunc_torch._src.storage_mode import check_storage_plan
 
 __all__ = ["convert_checkpoint", "guard_inner_load", "refuse_optimizer_state"]
 
@@ -164,7 +163,6 @@ def _target(mode: Any, mixed_precision: Any, config: dict[str, Any]):
             raise ValueError(f"mode='fp32' (plain torch) takes no keys, got {sorted(config)}.")
         return None
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
-    check_storage_plan(plan)
     return plan
 
 
