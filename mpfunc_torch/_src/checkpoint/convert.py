@@ -105,8 +105,7 @@ def convert_checkpoint(
         that ``convert_to_amp`` would refuse, master weights whose params are not in
         ``model_state_dict`` (or of another shape), a checkpoint saved before its
         masters were named (load it in its own mode and save it again), a
-        ``"low_precision"`` part that does not hold what its storage keeps, 8-bit
-        state with stochastic rounding (``convert_to_amp`` refuses it too), or several
+        ``"low_precision"`` part that does not hold what its storage keeps, or several
         loss scales (``num_losses``) where the new mode has another number.
 
     Examples:
