@@ -254,7 +254,7 @@ def quantize_state_8bit(x: torch.Tensor, name: str, block: int,
     scale = scale_from_amax(block_amax(flat, (1, block)), name, 0, False, 1.0).reshape(-1)
     nb = scale.numel()
     y = torch.nn.functional.pad(flat.to(_F32), (0, nb * block - n)).view(nb, block)
-    y = y.mul_(scale[:, None]).view(-1)[:n].contiguous()
+    y = (y * scale[:, None]).view(-1)[:n].contiguous()  # a new tensor: x is not written
     m = FP8_MAX[name]
     y = torch.where(torch.isfinite(y), y.clamp(-m, m), y)  # saturate finite values
     return _cast(stochastic_round_fp8_(y, bits, name), name).reshape(x.shape), scale
