@@ -48,20 +48,23 @@ VARIANTS = {
     "stochastic + bf16 state": ("stochastic", "bfloat16", "nearest", {}),
     "stochastic + bf16 state (stochastic)": ("stochastic", "bfloat16", "stochastic", {}),
     "stochastic + 8-bit state": ("stochastic", "float8_e4m3fn", "nearest", {}),
+    "stochastic + 8-bit state (stochastic)": ("stochastic", "float8_e4m3fn", "stochastic", {}),
     "remainder + bf16 state, fused AdamW": ("remainder", "bfloat16", "nearest",
                                             {"fused": True}),
     "stochastic + bf16 state, fused AdamW": ("stochastic", "bfloat16", "nearest",
                                              {"fused": True}),
 }
 BYTES_VARIANTS = ["float32 masters", "remainder", "remainder + bf16 state",
-                  "kahan + bf16 state", "stochastic + bf16 state", "stochastic + 8-bit state"]
+                  "kahan + bf16 state", "stochastic + bf16 state", "stochastic + 8-bit state",
+                  "stochastic + 8-bit state (stochastic)"]
 OVERHEAD_VARIANTS = ["float32 masters", "remainder + bf16 state", "kahan + bf16 state",
                      "stochastic + bf16 state", "stochastic + bf16 state (stochastic)",
                      "remainder + bf16 state, fused AdamW",
                      "stochastic + bf16 state, fused AdamW"]
 LOSS_VARIANTS = ["float32 masters", "remainder", "remainder + bf16 state",
                  "kahan + bf16 state", "stochastic + bf16 state",
-                 "stochastic + bf16 state (stochastic)", "stochastic + 8-bit state"]
+                 "stochastic + bf16 state (stochastic)", "stochastic + 8-bit state",
+                 "stochastic + 8-bit state (stochastic)"]
 
 
 def convert(model, inner, name, seed=0):

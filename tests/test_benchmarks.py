@@ -176,6 +176,7 @@ def test_low_precision(tmp_path):
     assert per_param["remainder + bf16 state"] == pytest.approx(8, abs=0.05)
     assert per_param["stochastic + bf16 state"] == pytest.approx(6, abs=0.05)
     assert 4 < per_param["stochastic + 8-bit state"] < 4.1
+    assert 4 < per_param["stochastic + 8-bit state (stochastic)"] < 4.1
     runs = r["overhead"]["runs"]
     assert runs["AdamW(foreach) on bf16 params"]["paired_median_ratio"] == 1
     assert all(v["median_ms"] > 0 for v in runs.values())

@@ -178,6 +178,14 @@ def test_state_dtype_is_rounded_to_nearest_once_and_widened_back():
     want, scale = R.quantize_state_8bit(state["exp_avg_sq"].numpy(), "float8_e4m3fn")
     np.testing.assert_array_equal(st["exp_avg_sq"].float().numpy(), want)
     np.testing.assert_array_equal(st["exp_avg_sq:scale"].numpy(), scale)
+    # 8-bit state rounded stochastically (the default): quantised to nearest once at the
+    # load, then each step stochastically.
+    net5, opt5 = convert(net, opt, master_weights="stochastic", state_dtype="float8_e4m3fn",
+                         seed=3)
+    st = opt5.optimizer.state[opt5._pairs[0][1]]
+    np.testing.assert_array_equal(st["exp_avg_sq"].float().numpy(), want)
+    assert low_precision_of(opt5).state.rounding == "stochastic"
+    train(net5, opt5, grads(1))
     _, osd = mpfunc_torch.convert_checkpoint(net4.state_dict(), opt4.state_dict(), "bf16",
                                              **keys8)  # the same 8-bit format: codes kept
     assert osd["optimizer"]["state"][0]["exp_avg_sq"].dtype == torch.float8_e4m3fn
@@ -191,9 +199,6 @@ def test_bad_combinations_are_clear_errors():
     net, opt = start()
     net2, opt2 = convert(net, opt, master_weights="remainder")
     msd, osd = net2.state_dict(), opt2.state_dict()
-    with pytest.raises(ValueError, match="state_rounding='stochastic'"):
-        mpfunc_torch.convert_checkpoint(msd, osd, "bf16", master_weights="remainder",
-                                        state_dtype="float8_e4m3fn")
     bad = {**osd, "low_precision": {**osd["low_precision"], "extra": [None, None]}}
     with pytest.raises(ValueError, match=r"entry 0 must be a bfloat16 param with a "
                                          r"torch.int16 of its shape beside it"):

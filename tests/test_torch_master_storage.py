@@ -132,18 +132,25 @@ def test_kahan_tracks_float32_masters_where_plain_bfloat16_stalls():
     assert abs(kahan - ref) / ref < 0.01
 
 
-SKIP_CASES = [(s, st, "foreach", 1, float("inf")) for s in ("remainder", "kahan", "stochastic")
+SKIP_CASES = [(s, st, "foreach", 1, float("inf"), "nearest")
+              for s in ("remainder", "kahan", "stochastic")
               for st in (None, "bfloat16", "float8_e4m3fn")] + [
-    (s, "bfloat16", "fused", 2, float("nan")) for s in ("remainder", "kahan", "stochastic")]
+    (s, "bfloat16", "fused", 2, float("nan"), "nearest")
+    for s in ("remainder", "kahan", "stochastic")] + [
+    ("stochastic", "float8_e4m3fn", "foreach", 1, float("inf"), "stochastic"),
+    ("stochastic", "float8_e5m2", "fused", 2, float("nan"), "stochastic")]
 
 
-@pytest.mark.parametrize("storage, state, impl, chunks, bad_value", SKIP_CASES)
+@pytest.mark.parametrize("storage, state, impl, chunks, bad_value, rounding", SKIP_CASES)
 def test_a_skipped_step_changes_nothing_and_the_next_one_continues(storage, state, impl,
-                                                                   chunks, bad_value):
+                                                                   chunks, bad_value,
+                                                                   rounding):
+    # The snapshot holds the params, remainders / compensation, every state tensor
+    # (8-bit codes and their block scales) and the (seed, step) counter, bit for bit.
     def run(skip):
         model = net()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2, **{impl: True})
-        model_c, opt = convert(model, inner, storage, state, rounding="nearest", seed=7,
+        model_c, opt = convert(model, inner, storage, state, rounding=rounding, seed=7,
                                chunks=chunks)
         params = list(model.parameters())
         for t, g in enumerate(fixed_grads(4)):
@@ -252,14 +259,15 @@ def test_model_writes_and_loads_move_the_stored_masters():
     assert torch.equal(bits(masters(opt)[0]), bits(model[0].weight.float()))
 
 
-@pytest.mark.parametrize("storage, state, target", [
-    ("remainder", "bfloat16", 8.1), ("kahan", "bfloat16", 8.1),
-    ("stochastic", "bfloat16", 6.1), ("stochastic", "float8_e4m3fn", 4.1),
-    ("float32", None, 14.1)])
-def test_bytes_per_param_measured_from_the_buffers(storage, state, target):
+@pytest.mark.parametrize("storage, state, rounding, target", [
+    ("remainder", "bfloat16", "nearest", 8.1), ("kahan", "bfloat16", "nearest", 8.1),
+    ("stochastic", "bfloat16", "stochastic", 6.1),
+    ("stochastic", "float8_e4m3fn", "nearest", 4.1),
+    ("stochastic", "float8_e4m3fn", "stochastic", 4.1), ("float32", None, "nearest", 14.1)])
+def test_bytes_per_param_measured_from_the_buffers(storage, state, rounding, target):
     model = net(widths=(256, 512, 256))
     model_c, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                           storage if storage != "float32" else None, state)
+                           storage if storage != "float32" else None, state, rounding=rounding)
     n = sum(p.numel() for p in model.parameters())
     shapes = [p.shape for p in model.parameters()]
     step_with(opt, list(model.parameters()), fixed_grads(1, shapes)[0])
@@ -274,8 +282,8 @@ def test_bad_arguments_are_clear_errors():
         use_low_precision(opt, "kahn")
     with pytest.raises(ValueError, match="`seed`"):
         use_low_precision(opt, "kahan", seed=-1)
-    with pytest.raises(ValueError, match="stochastic.*bfloat16 state only"):
-        use_low_precision(opt, "kahan", "float8_e4m3fn", "stochastic")
+    with pytest.raises(ValueError, match="stochastic.*not float16.*'float16'"):
+        use_low_precision(opt, "kahan", {"exp_avg": "float16"}, "stochastic")
     with pytest.raises(ValueError, match="float16 state for 'exp_avg_sq'"):
         use_low_precision(opt, "kahan", {"exp_avg": "float16", "exp_avg_sq": "float16"})
     adam = torch.optim.AdamW(net().parameters())

@@ -294,6 +294,43 @@ def test_another_modes_checkpoint_names_convert_checkpoint():
     assert same(snapshot(model2, opt2), before)
 
 
+@pytest.mark.parametrize("source, target", [("naive", "torch"), ("torch", "naive"),
+                                            ("bf16", "fp32")])
+def test_a_converted_checkpoint_owns_its_tensors(source, target):
+    # Converted from the live state_dicts of a run that goes on training: the result
+    # shares no tensor with them, so an optimizer loaded from it keeps its own step
+    # counts and moments while the first run steps (and the other way round).
+    model, opt, crit = fresh(source)
+    train(model, opt, crit, 2)
+    cfg = MODES[target][1] if target in MODES else {}
+    msd, osd = mpfunc_torch.convert_checkpoint(
+        model.state_dict(), opt.state_dict(), MODES[target][0] if target in MODES else target,
+        **cfg)
+    kept = copy.deepcopy((msd, osd))
+    if target == "fp32":
+        module = net(1)
+        model2, opt2 = module, torch.optim.AdamW(module.parameters(), lr=1e-2)
+    else:
+        model2, opt2, _ = fresh(target, seed=1)
+    model2.load_state_dict(msd)
+    opt2.load_state_dict(osd)
+    before = copy.deepcopy({"model": model2.state_dict(), "optimizer": opt2.state_dict()})
+    train(model, opt, crit, 2, start=2)  # the source run goes on
+    assert same(copy.deepcopy({"model": model2.state_dict(), "optimizer": opt2.state_dict()}),
+                before)
+    assert same(copy.deepcopy((msd, osd)), kept)
+    ours = snapshot(model, opt)
+    x, y = tiny_batch(9)  # and the loaded one steps without touching the source
+    opt2.zero_grad()
+    loss = torch.nn.functional.mse_loss(model2(x).float(), y)
+    if target == "fp32":
+        loss.backward()
+    else:
+        opt2.backward(loss)
+    opt2.step()
+    assert same(snapshot(model, opt), ours)
+
+
 def _naive_checkpoint():
     model, opt, crit = fresh("naive")
     train(model, opt, crit, 2)

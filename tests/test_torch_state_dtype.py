@@ -88,6 +88,34 @@ def test_stochastic_state_uses_streams_by_key_name():
         assert np.array_equal(b.float().numpy().reshape(-1).view(np.uint32), r.view(np.uint32))
 
 
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_stochastic_8bit_state_is_the_shared_rule_step_by_step(fmt):
+    # SGD (momentum 0.5, exact in float32) with 8-bit momentum rounded stochastically:
+    # each step dequantises, steps in float32 and quantises with stream 1's bits, and
+    # the codes and block scales are the NumPy reference's (blocks of 128, a last
+    # partial one) at every step.
+    seed, steps = 41, 6
+    model = net(widths=(16, 20, 5))  # 320, 20, 100, 5 elements
+    shapes = [p.shape for p in model.parameters()]
+    inner = torch.optim.SGD(model.parameters(), lr=2.0**-5, momentum=0.5)
+    _, opt = convert(model, inner, None, fmt, rounding="stochastic", seed=seed, block=128)
+    ref = [None] * len(shapes)
+    for t, g in enumerate(fixed_grads(steps, shapes)):
+        step_with(opt, list(model.parameters()), g)
+        for i, gi in enumerate(g):
+            gi = gi.float().numpy()
+            buf = gi if ref[i] is None else (R.dequantize_state_8bit(*ref[i]) * np.float32(0.5)
+                                             ).astype(np.float32) + gi
+            ref[i] = R.quantize_state_8bit(buf, fmt, R.random_bits(seed, 1, t,
+                                                                   np.arange(buf.size)))
+        for st, (q, scale) in zip(inner.state.values(), ref):
+            got = st["momentum_buffer"]
+            assert got.dtype == getattr(torch, fmt)
+            assert np.array_equal(got.float().numpy().view(np.uint32), q.view(np.uint32))
+            assert np.array_equal(st["momentum_buffer:scale"].numpy().view(np.uint32),
+                                  scale.view(np.uint32))
+
+
 def test_eight_bit_state_has_block_scales_and_tracks_float32_state():
     model = net(widths=(16, 300, 5))  # 4800 and 1500 elements: a last, partial block
     _, opt = convert(model, torch.optim.Adam(model.parameters(), lr=1e-3), "stochastic",
@@ -113,14 +141,17 @@ def test_eight_bit_state_has_block_scales_and_tracks_float32_state():
             assert bool(((got - want).abs() <= top / 16).all()), key
 
 
-@pytest.mark.parametrize("state", ["bfloat16", "float8_e5m2",
-                                   {"exp_avg": "float16", "exp_avg_sq": "bfloat16"}])
-def test_state_checkpoints_resume_bit_for_bit(state):
+@pytest.mark.parametrize("storage, state, rounding", [
+    ("kahan", "bfloat16", "nearest"), ("kahan", "float8_e5m2", "nearest"),
+    ("kahan", {"exp_avg": "float16", "exp_avg_sq": "bfloat16"}, "nearest"),
+    ("stochastic", "float8_e4m3fn", "stochastic"), ("remainder", "float8_e5m2", "stochastic")])
+def test_state_checkpoints_resume_bit_for_bit(storage, state, rounding):
     grads = fixed_grads(6)
 
     def fresh():
         model = net()
-        _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "kahan", state)
+        _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage, state,
+                         rounding=rounding, seed=13)
         return model, opt
 
     model, opt = fresh()

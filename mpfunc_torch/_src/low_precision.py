@@ -237,8 +237,8 @@ def use_low_precision(opt: AmpOptimizerParts, master_weights: str = "remainder",
         ``"stochastic"`` (see `mpfunc_torch._src.master_storage`).
       state_dtype: None, a dtype name for every floating state tensor, or a mapping
         from state key to dtype name (see `StateDtype`).
-      rounding: how the state is rounded to a 16-bit dtype: ``"nearest"`` or
-        ``"stochastic"``.
+      rounding: how the state is rounded to its dtype: ``"nearest"`` or
+        ``"stochastic"`` (bfloat16 and 8-bit state).
       seed: the seed of every random bit (params: stream 0; state: 1, 2, ...).
       block: elements per scale of 8-bit state.
 

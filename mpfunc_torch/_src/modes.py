@@ -42,7 +42,7 @@ from mpfunc_torch._src.optimizer_checks import (
 )
 from mpfunc_torch._src.sharding import check_fsdp_units, refuse_data_parallel_wrapper
 from mpfunc_torch._src.skip_record import attach_model
-from mpfunc_torch._src.storage_mode import apply_storage, check_storage_plan, keeps_masters
+from mpfunc_torch._src.storage_mode import apply_storage, keeps_masters
 
 __all__ = ["AMP_TYPE", "convert_to_amp"]
 _LOG = logging.getLogger(__name__)  # what a conversion resolved to, at INFO level
@@ -300,7 +300,6 @@ def convert_to_amp(
                 "optimizer's step() takes none: it checks the gradients of the backward "
                 "before it. Use an optimizer whose closure is optional.")
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
-    check_storage_plan(plan)
     refuse_converted_model(model)
     if is_norm is not None:
         if not callable(is_norm):

@@ -13,6 +13,10 @@ costs several contiguous ones on CPU) and no boolean masks (a select is a sign m
 and an AND). Callers stepping in chunks (`mpfunc_torch._src.chunked_step`) keep the
 temporaries bounded.
 
+8-bit state: `quantize_state_8bit` is the blockwise fp8 rule (``mpfunc_torch._src.fp8.rule``)
+on a flattened state tensor, rounded to nearest or stochastically onto the fp8 grid
+(`stochastic_round_fp8_`: `_mpfunc_common.rounding.stochastic_round_fp8`).
+
 NaN: stochastic rounding keeps a NaN's sign and top mantissa bits (quiet), as the
 reference does. Round to nearest is torch's own cast (``Tensor.to(torch.bfloat16)``),
 equal to the reference on every non-NaN value; a NaN stays a NaN but its bit pattern is
@@ -26,7 +30,10 @@ from collections.abc import Sequence
 
 import torch
 
-from _mpfunc_common.rounding import MIX_CONSTANTS, step_key
+from _mpfunc_common.fp8 import FP8_MAX
+from _mpfunc_common.rounding import FP8_MANTISSA_BITS, FP8_MIN_NORMAL, MIX_CONSTANTS, step_key
+from mpfunc_torch._src.fp8.quantize import quantize_fp8
+from mpfunc_torch._src.fp8.rule import _cast, block_amax, scale_from_amax
 from mpfunc_torch._src.sharding import is_dtensor, local
 
 __all__ = [
@@ -37,6 +44,8 @@ __all__ = [
     "element_index",
     "bits_for",
     "stochastic_round_",
+    "stochastic_round_fp8_",
+    "quantize_state_8bit",
     "split_remainder_",
     "join_remainder_",
     "kahan_update_",
@@ -205,6 +214,50 @@ def stochastic_round_(out: torch.Tensor, x: torch.Tensor, bits: torch.Tensor,
     r.bitwise_right_shift_(16)
     out.reshape(-1).view(_I16).copy_(r)  # a narrowing copy: the top 16 bits
     return out
+
+
+def stochastic_round_fp8_(y: torch.Tensor, bits: torch.Tensor, name: str) -> torch.Tensor:
+    """``y`` (float32, contiguous; its finite values within +-fp8 max) rounded onto the
+    fp8 grid of ``name`` stochastically with ``bits`` (int32, one per element, consumed),
+    in place: `_mpfunc_common.rounding.stochastic_round_fp8`.
+
+    The bfloat16 rule on ``|y|`` with ``d = 23 - mantissa bits`` dropped bits; below the
+    smallest normal ``n`` on ``|y| + n`` (a float32 add), ``n`` taken off again (exact);
+    then ``y``'s sign. Non-finite values stay as they are.
+    """
+    d = 23 - FP8_MANTISSA_BITS[name]
+    n = FP8_MIN_NORMAL[name]
+    z = y.abs()
+    off = (z < n).to(_F32).mul_(n)  # n below the smallest normal, else 0 (exact)
+    z.add_(off)
+    zi = z.view(_I32)
+    zi.add_(bits.reshape(z.shape).bitwise_and_((1 << d) - 1))  # wraps only for a NaN
+    zi.bitwise_and_(-(1 << d))  # clears the low d bits
+    z.sub_(off)
+    torch.copysign(z, y, out=z)
+    return y.copy_(torch.where(torch.isfinite(y), z, y))
+
+
+def quantize_state_8bit(x: torch.Tensor, name: str, block: int,
+                        bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 state tensor (a local shard) -> (fp8 codes of its shape, float32 scales
+    per ``block`` elements of it flattened row-major): `_mpfunc_common.rounding.
+    quantize_state_8bit` (there with blocks of 128), rounded stochastically with ``bits``
+    (int32, one per element in row-major order; consumed). The scales are the blockwise
+    fp8 rule's (`mpfunc_torch._src.fp8.rule`), as ``quantize_fp8(x.reshape(-1), name,
+    (1, block))`` gives them; ``bits`` None rounds to nearest (that call)."""
+    flat = x.detach().reshape(-1)
+    if bits is None:
+        q, scale = quantize_fp8(flat, name, (1, block))
+        return q.reshape(x.shape), scale.reshape(-1)
+    n = flat.numel()
+    scale = scale_from_amax(block_amax(flat, (1, block)), name, 0, False, 1.0).reshape(-1)
+    nb = scale.numel()
+    y = torch.nn.functional.pad(flat.to(_F32), (0, nb * block - n)).view(nb, block)
+    y = (y * scale[:, None]).view(-1)[:n].contiguous()  # a new tensor: x is not written
+    m = FP8_MAX[name]
+    y = torch.where(torch.isfinite(y), y.clamp(-m, m), y)  # saturate finite values
+    return _cast(stochastic_round_fp8_(y, bits, name), name).reshape(x.shape), scale
 
 
 def split_remainder_(work: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:

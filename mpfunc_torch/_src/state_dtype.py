@@ -6,17 +6,18 @@ tensors of any ``torch.optim`` optimizer (Adam's ``exp_avg``/``exp_avg_sq``, SGD
 steps, in ``optimizer.state`` itself; around each (chunk of a) step, `begin_` puts
 float32 copies in their place, the inner optimizer steps them as usual, and `end_`
 rounds them back: to nearest (torch's cast), or stochastically with the shared random
-bits (`mpfunc_torch._src.rounding`; bfloat16 only), or, for 8 bits, with the shared
-blockwise fp8 quantiser (`quantize_fp8`, blocks of ``block`` consecutive elements in
-row-major order, one float32 scale each, kept under ``"<key>:scale"``; as torchao's
-``AdamWFp8``). A sharded (DTensor) state is quantised per local shard: its blocks, and
+bits (`mpfunc_torch._src.rounding`), or, for 8 bits, with the shared blockwise fp8
+quantiser (`quantize_state_8bit`: blocks of ``block`` consecutive elements in row-major
+order, one float32 scale each, kept under ``"<key>:scale"``, as torchao's ``AdamWFp8``;
+the scaled values rounded to nearest, or stochastically onto the fp8 grid by
+`_mpfunc_common.rounding.stochastic_round_fp8` with the same random bits). A sharded (DTensor) state is quantised per local shard: its blocks, and
 so its codes, are those of the shard, not of the whole tensor.
 
 Which tensors: every floating state tensor with at least one dimension (scalars such as
 ``step`` stay as they are). Random-bit streams: the compressed keys of a param, sorted by
 name, take streams 1, 2, ... (Adam: ``exp_avg`` 1, ``exp_avg_sq`` 2, ``max_exp_avg_sq``
 3; stream 0 is the params'), with each element's row-major index in the whole
-(unsharded) state tensor.
+(unsharded) state tensor, for 16-bit and 8-bit state alike.
 
 Checkpoints: ``optimizer.state_dict()`` holds the stored tensors. torch's own
 ``load_state_dict`` casts every state tensor to the param's dtype (float32); `after_load_`
@@ -33,8 +34,13 @@ from typing import Any
 import torch
 
 from _mpfunc_common.suggest import did_you_mean
-from mpfunc_torch._src.fp8.quantize import dequantize_fp8, quantize_fp8
-from mpfunc_torch._src.rounding import bits_for, element_index, stochastic_round_
+from mpfunc_torch._src.fp8.quantize import dequantize_fp8
+from mpfunc_torch._src.rounding import (
+    bits_for,
+    element_index,
+    quantize_state_8bit,
+    stochastic_round_,
+)
 from mpfunc_torch._src.sharding import is_dtensor, local
 
 __all__ = ["STATE_DTYPES", "ROUNDINGS", "SCALE_SUFFIX", "StateDtype", "is_scale_key", "widen"]
@@ -81,7 +87,7 @@ class StateDtype:
       dtype: a dtype name (``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``,
         ``"float8_e5m2"``, ``"float32"``) for every state key, or a mapping from key to
         dtype name (keys not in it stay float32).
-      rounding: ``"nearest"`` or ``"stochastic"`` (bfloat16 state only).
+      rounding: ``"nearest"`` or ``"stochastic"`` (bfloat16 and 8-bit state).
       seed: the seed of the stochastic rounding's random bits.
       block: elements per scale of 8-bit state.
     """
@@ -97,10 +103,12 @@ class StateDtype:
             raise ValueError(f"`rounding` must be one of {list(ROUNDINGS)}, got {rounding!r}"
                              f"{did_you_mean(str(rounding), list(ROUNDINGS))}.")
         names = set(self.dtypes.values()) | ({self.default} if self.default else set())
-        if rounding == "stochastic" and names - {"bfloat16", "float32"}:
-            raise ValueError("`rounding='stochastic'` is defined for bfloat16 state only (the "
-                             "shared rule adds 16 random bits below a bfloat16); got state "
-                             f"dtypes {sorted(names - {'float32'})}. Use rounding='nearest'.")
+        if rounding == "stochastic" and "float16" in names:
+            raise ValueError("`rounding='stochastic'` is defined for bfloat16 and 8-bit state "
+                             "(the shared rules round float32 bit patterns onto their grids), "
+                             "not float16; got state dtypes "
+                             f"{sorted(names - {'float32'})}. Use rounding='nearest' or "
+                             "state_dtype='bfloat16'.")
         for key, name in self.dtypes.items():
             if name == "float16" and key in _SQUARED:
                 raise ValueError(_fp16_squared(key))
@@ -165,18 +173,20 @@ class StateDtype:
                 if value.dtype != _F32:
                     continue
                 name = self.dtype_of(key)
-                if name in _FP8:
-                    st[key], st[key + SCALE_SUFFIX] = _quantize(value, name, self.block)
-                    continue
-                out = reuse.get((id(st), key))
-                if out is None or out.dtype != STATE_DTYPES[name] or out.shape != value.shape:
-                    out = torch.empty_like(value, dtype=STATE_DTYPES[name])
+                bits = None
                 if self.rounding == "stochastic":
                     n = local(value).numel()
                     if scratch is None or scratch.numel() < n:
                         scratch = torch.empty(n, dtype=torch.int32, device=local(value).device)
                     bits = bits_for(value, self.seed, stream, step, self._index_of(value),
                                     scratch)
+                if name in _FP8:
+                    st[key], st[key + SCALE_SUFFIX] = _quantize(value, name, self.block, bits)
+                    continue
+                out = reuse.get((id(st), key))
+                if out is None or out.dtype != STATE_DTYPES[name] or out.shape != value.shape:
+                    out = torch.empty_like(value, dtype=STATE_DTYPES[name])
+                if bits is not None:
                     stochastic_round_(local(out), local(value), bits, scratch)
                 else:
                     local(out).copy_(local(value))
@@ -242,14 +252,16 @@ def _n_blocks(t: Any, block: int) -> int:
     return -(-n // block)
 
 
-def _quantize(value: torch.Tensor, name: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(value: torch.Tensor, name: str, block: int,
+              bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 state -> (codes of its shape, float32 scales: one per ``block`` elements
-    of the local shard, row-major), by the shared fp8 rule."""
+    of the local shard, row-major), by the shared fp8 rule, rounded to nearest or, with
+    ``bits`` (int32, the local shard's, consumed), stochastically."""
     v = local(value)
-    q, scale = quantize_fp8(v.reshape(-1), name, (1, block))
+    q, scale = quantize_state_8bit(v, name, block, bits)
     codes = torch.empty_like(value, dtype=STATE_DTYPES[name])
-    local(codes).copy_(q.reshape(v.shape))
-    return codes, scale.reshape(-1)
+    local(codes).copy_(q)
+    return codes, scale
 
 
 def widen(stored: torch.Tensor, scale: torch.Tensor | None, block: int) -> torch.Tensor:

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from _mpfunc_common.storage import BLOCK_STATE_DTYPES, STATE_BLOCK
+from _mpfunc_common.storage import STATE_BLOCK
 from mpfunc_torch._src.low_precision import use_low_precision
 
-__all__ = ["keeps_masters", "check_storage_plan", "apply_storage"]
+__all__ = ["keeps_masters", "apply_storage"]
 
 
 def keeps_masters(plan: Any) -> bool:
@@ -33,19 +33,6 @@ def _lowers(plan: Any) -> bool:
     """Whether anything is kept below float32 (else float32 masters or params as today)."""
     return plan.enabled and (plan.master_storage not in (None, "float32")
                              or plan.state_dtype not in (None, "float32"))
-
-
-def check_storage_plan(plan: Any) -> None:
-    """A ValueError, before anything is changed, for the storage keys torch does not
-    implement as JAX does (so that none is silently different)."""
-    if (plan.enabled and plan.state_dtype in BLOCK_STATE_DTYPES
-            and plan.state_rounding == "stochastic"):
-        raise ValueError(
-            f"`state_dtype={plan.state_dtype!r}` with `state_rounding='stochastic'` (the "
-            "default): mpfunc_torch quantises 8-bit state to nearest only. Pass "
-            "state_rounding='nearest' (or state_dtype='bfloat16', which rounds "
-            "stochastically); in JAX, mpfunc.convert_to_amp rounds 8-bit state "
-            "stochastically too.")
 
 
 def apply_storage(plan: Any, optimizers: Sequence[Any]) -> None:

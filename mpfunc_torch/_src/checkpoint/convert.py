@@ -35,7 +35,6 @@ from _mpfunc_common.mixed_precision import mode_and_config
 from mpfunc_torch._src.checkpoint.optimizer_state import FORMAT
 from mpfunc_torch._src.checkpoint.storage import applied_steps, stored_masters, widen_state
 from mpfunc_torch._src.master_weights import FROM_MODEL, has_stepped, non_finite_names
-from mpfunc_torch._src.storage_mode import check_storage_plan
 
 __all__ = ["convert_checkpoint", "guard_inner_load", "refuse_optimizer_state"]
 
@@ -52,6 +51,11 @@ def convert_checkpoint(
     **config: Any,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A checkpoint of one mode, converted for another (nothing passed in is changed).
+
+    The result owns its tensors and containers: where a value would be the input's
+    tensor (or a view of it) it is a copy, so loading the result into a second model and
+    optimizer while the first run goes on training (from its live ``state_dict()``)
+    shares no step count, moment or param between the two.
 
     From naive or apex O2 (float32 master weights) to a mode without masters (torch,
     bf16, apex O0/O1/O3, plain float32 training), the float32 masters become the
@@ -106,8 +110,7 @@ def convert_checkpoint(
         that ``convert_to_amp`` would refuse, master weights whose params are not in
         ``model_state_dict`` (or of another shape), a checkpoint saved before its
         masters were named (load it in its own mode and save it again), a
-        ``"low_precision"`` part that does not hold what its storage keeps, 8-bit
-        state with stochastic rounding (``convert_to_amp`` refuses it too), or several
+        ``"low_precision"`` part that does not hold what its storage keeps, or several
         loss scales (``num_losses``) where the new mode has another number.
 
     Examples:
@@ -129,7 +132,7 @@ def convert_checkpoint(
     source = _source(optimizer_state_dict, keep)
     model_out = _model_part(model_state_dict, source)
     if plan is None:
-        return model_out, source["inner"]
+        return _owned((model_out, source["inner"]), (model_state_dict, optimizer_state_dict))
     scalers = None  # None: the loading optimizer keeps its own initial scale
     if source["dynamic"] and plan.enabled and plan.scale_kind == "dynamic":
         scalers = source["scalers"]
@@ -151,7 +154,40 @@ def convert_checkpoint(
             "storage": plan.master_storage or "float32", "seed": plan.seed,
             "step": source["step"], "params": FROM_MODEL if stored else None,
             "extra": None}
-    return model_out, out
+    return _owned((model_out, out), (model_state_dict, optimizer_state_dict))
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in nested mappings, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _storage(t: torch.Tensor) -> Any:
+    """The memory a tensor's values live in (shared by its views), or None where it has
+    none to read (a tensor subclass without storage, no elements)."""
+    try:
+        s = t.untyped_storage()
+        return (s.device, s.data_ptr()) if s.nbytes() else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _owned(result: tuple, inputs: tuple) -> Any:
+    """``result`` with its own containers and, where a tensor is (or views) one of
+    ``inputs``' tensors, a copy of it; tensors made here are kept as they are."""
+    ids = {id(t) for t in _tensors(inputs)}
+    shared = {k for k in map(_storage, _tensors(inputs)) if k is not None}
+    memo: dict[int, Any] = {}
+    for t in _tensors(result):
+        if id(t) not in ids and _storage(t) not in shared:
+            memo[id(t)] = t  # deepcopy keeps it (its memo says it is copied already)
+    return copy.deepcopy(result, memo)
 
 
 def _target(mode: Any, mixed_precision: Any, config: dict[str, Any]):
@@ -164,7 +200,6 @@ def _target(mode: Any, mixed_precision: Any, config: dict[str, Any]):
             raise ValueError(f"mode='fp32' (plain torch) takes no keys, got {sorted(config)}.")
         return None
     plan = resolve_amp(*mode_and_config(mode, mixed_precision, config))
-    check_storage_plan(plan)
     return plan
 
 

@@ -17,7 +17,6 @@ from _mpfunc_common.amp_config import AmpPlan, check_bool, resolve_amp
 from _mpfunc_common.mixed_precision import mode_and_config
 from mpfunc_torch._src.modes import convert_to_amp
 from mpfunc_torch._src.optimizer import AmpOptimizer
-from mpfunc_torch._src.storage_mode import check_storage_plan
 
 __all__ = ["TrainerAmp"]
 
@@ -51,7 +50,6 @@ class TrainerAmp:
                              "opt_level), 'naive', 'bf16' or 'fp8'.")
         # Every key and value is checked here, before the trainer runs anything.
         self.plan: AmpPlan = resolve_amp(*mode_and_config(mode, None, config))
-        check_storage_plan(self.plan)
         self.mode, self.config = mode, config
         self.module: torch.nn.Module | None = None  # the converted model
         self.optimizers: list[AmpOptimizer] = []
