@@ -222,3 +222,22 @@ def test_float32_params_with_bfloat16_state_skip_exactly(fused):
     assert all(v.dtype == torch.bfloat16 for st in opt.optimizer.state.values()
                for k, v in st.items() if k != "step")
     assert opt._lowp.step == 2
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_an_empty_param_gets_empty_8bit_state(rounding):
+    # A zero-element param (an empty embedding, a pruned layer) has zero-element state:
+    # no codes, no blocks. Nearest rounding failed in the blockwise quantiser's reshape.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 0))
+    _, opt = convert(model, torch.optim.Adam(model.parameters(), lr=1e-3), "remainder",
+                     "float8_e4m3fn", rounding)
+    params = list(model.parameters())
+    grads = [torch.ones(p.shape, dtype=torch.bfloat16) for p in params]
+    before = [p.detach().clone() for p in params]
+    for _ in range(2):
+        assert bool(step_with(opt, params, grads))
+    empty = [st for p, st in zip(params, opt.optimizer.state.values()) if p.numel() == 0]
+    assert empty and all(st["exp_avg"].numel() == 0 and st["exp_avg:scale"].numel() == 0
+                         for st in empty)
+    assert all(not torch.equal(p, b) for p, b in zip(params, before) if p.numel())

@@ -247,6 +247,8 @@ def quantize_state_8bit(x: torch.Tensor, name: str, block: int,
     fp8 rule's (`mpfunc_torch._src.fp8.rule`), as ``quantize_fp8(x.reshape(-1), name,
     (1, block))`` gives them; ``bits`` None rounds to nearest (that call)."""
     flat = x.detach().reshape(-1)
+    if flat.numel() == 0:  # an empty param's state: no codes, no blocks
+        return torch.empty(x.shape, dtype=getattr(torch, name)), torch.empty(0, dtype=_F32)
     if bits is None:
         q, scale = quantize_fp8(flat, name, (1, block))
         return q.reshape(x.shape), scale.reshape(-1)
