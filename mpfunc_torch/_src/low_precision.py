@@ -66,26 +66,7 @@ class LowPrecision:
     def wrap(self, inner: Callable[[], Any]) -> Callable[[], None]:
         """``inner`` (the inner optimizer's step, or a chunk of it) between building and
         writing back the float32 masters and state of the params that have a grad."""
-        def run() -> None:
-            qs = [q for g in self.optimizer.param_groups for q in g["params"]
-                  if q.grad is not None]
-            idx = self.storage.positions(qs) if self.storage is not None else []
-            if self.storage is not None:
-                self.storage.begin_(idx)
-            saved = self.state.begin_(qs) if self.state is not None else []
-            try:
-                inner()
-            except BaseException:
-                if self.storage is not None:
-                    self.storage.abort_(idx)
-                StateDtype.abort_(saved)
-                raise
-            if self.state is not None:
-                self.state.end_(qs, self.step, saved)
-            if self.storage is not None:
-                self.storage.end_(idx, self.step)
-
-        return run
+        return lambda: self._around(inner, write_back=True)
 
     def make_state_(self, inner: Callable[[], Any]) -> None:
         """Runs ``inner`` (a step of the inner optimizer with lr 0, to create its state)
@@ -93,6 +74,9 @@ class LowPrecision:
         without writing them back: no param, remainder or compensation changes (a Kahan
         write-back of a zero update may move a param by an ulp and its compensation the
         other way)."""
+        self._around(inner, write_back=False)
+
+    def _around(self, inner: Callable[[], Any], write_back: bool) -> None:
         qs = [q for g in self.optimizer.param_groups for q in g["params"]
               if q.grad is not None]
         idx = self.storage.positions(qs) if self.storage is not None else []
@@ -102,13 +86,17 @@ class LowPrecision:
         try:
             inner()
         except BaseException:
-            StateDtype.abort_(saved)
-            raise
-        finally:
             if self.storage is not None:
                 self.storage.abort_(idx)
+            StateDtype.abort_(saved)
+            raise
         if self.state is not None:
             self.state.end_(qs, self.step, saved)
+        if self.storage is not None:
+            if write_back:
+                self.storage.end_(idx, self.step)
+            else:
+                self.storage.abort_(idx)
 
     def advance(self) -> None:
         """One more step taken (the next one draws the random bits of the next step)."""
