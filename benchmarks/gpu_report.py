@@ -175,7 +175,14 @@ def log_tail(path, lines=TAIL_LINES):
         text = Path(path).read_text(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])[-6000:]
+    all_lines = text.splitlines()
+    tail = "\n".join(all_lines[-lines:])[-6000:]
+    # A hung part's faulthandler dump (a deep stack, then the list of extension modules) can
+    # push its first line, the one that says what happened, out of the tail: keep it.
+    fatal = [line for line in all_lines if line.startswith("Fatal Python error")]
+    if fatal and fatal[-1] not in tail:
+        tail = f"{fatal[-1]}\n[...]\n{tail}"
+    return tail
 
 
 def junit_summary(path):

@@ -233,3 +233,21 @@ def test_gpu_sh_cpu_dry_run(tmp_path):
                                        "gpu-logs.tar.gz"]
     md = (out / "gpu-cpu-dry-run.md").read_text()
     assert "| part | status |" in md and "jax_loss_scale | timeout" in md
+
+
+def test_log_tail_keeps_the_fatal_error_line_of_a_long_faulthandler_dump(tmp_path):
+    # CI on 2026-11-28: a hung part's dump (a deep stack, then the extension-module list) ran
+    # past the 40-line tail, and the report lost the line that says the part was aborted.
+    report = _gpu_report()
+    log = tmp_path / "p.log"
+    frames = [f'  File "/x/mod{i}.py", line {i} in f{i}' for i in range(80)]
+    log.write_text("\n".join(["starting", "Fatal Python error: Aborted", "",
+                              "Current thread 0x1 (most recent call first):", *frames,
+                              "Extension modules: numpy.core (total: 12)"]) + "\n")
+    tail = report.log_tail(log)
+    assert tail.startswith("Fatal Python error: Aborted\n[...]\n")
+    assert tail.endswith("(total: 12)") and "mod79.py" in tail and "mod0.py" not in tail
+    short = tmp_path / "s.log"
+    short.write_text("a\nFatal Python error: Aborted\nb\n")
+    assert report.log_tail(short) == "a\nFatal Python error: Aborted\nb"  # already in it
+    assert report.log_tail(tmp_path / "none.log") == ""
