@@ -419,7 +419,10 @@ def _combo_setup(rng, seed):
     return form, amp.apply_fn, amp.optimizer, amp.cast_params(params)
 
 
-@pytest.mark.parametrize("seed", range(40))
+# Seeds 0-15 draw every form and every inner optimizer at least once; the other 24 run in
+# the slow suite (about 16 s of the default suite's time).
+@pytest.mark.parametrize("seed", [s if s < 16 else pytest.param(s, marks=pytest.mark.slow)
+                                  for s in range(40)])
 def test_random_combinations_skip_exactly(seed):
     rng, data = random.Random(seed), np.random.default_rng(seed)
     form, apply_fn, tx, params = _combo_setup(rng, seed)
@@ -540,8 +543,12 @@ def _run_odd(tx, how, n=5):
     return history
 
 
-@pytest.mark.parametrize("form", ["wrapper", "chain"])
-@pytest.mark.parametrize("kind", ODD_KINDS)
+# The wrapper form for every kind, the chain form for two (the chain's own state handling
+# is one code path for all kinds); the other chain cases run in the slow suite (5 s).
+@pytest.mark.parametrize("kind, form", [
+    (k, f) if f == "wrapper" or k in ("literal", "produced") else
+    pytest.param(k, f, marks=pytest.mark.slow)
+    for k in ODD_KINDS for f in ("wrapper", "chain")])
 def test_inner_state_constants_eager_jit_and_pmap_agree(kind, form):
     runs = {how: _run_odd(_odd_tx(kind, form), how)
             for how in ("eager", "jit", "jit_closure", "pmap")}
@@ -580,8 +587,12 @@ EAGER_INNERS = ["adam", "inject_hyperparams", "multisteps", "schedule_free", "mu
                 "apply_if_finite", "masked", "adam_schedule", "noisy_sgd"]
 
 
-@pytest.mark.parametrize("form", ["wrapper", "chain"])
-@pytest.mark.parametrize("name", EAGER_INNERS)
+# The wrapper form for every inner, the chain form for three; the other chain cases run
+# in the slow suite (4 s).
+@pytest.mark.parametrize("name, form", [
+    (n, f) if f == "wrapper" or n in ("adam", "multisteps", "muon") else
+    pytest.param(n, f, marks=pytest.mark.slow)
+    for n in EAGER_INNERS for f in ("wrapper", "chain")])
 def test_optax_stateful_inners_run_eagerly(name, form):
     def make():
         inner = INNERS[name]()
