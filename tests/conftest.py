@@ -13,6 +13,7 @@ import hashlib
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -162,9 +163,13 @@ def pytest_configure(config):
     machine = base / _machine_key()
     store = machine / "entries"
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:  # the first process of the run: no worker has started yet
-        _gather(store, machine)
-    own = _own_folder(store, machine, f"{platform.node()}-{os.getpid()}")
+    try:
+        if worker is None:  # the first process of the run: no worker has started yet
+            _gather(store, machine)
+        own = _own_folder(store, machine, f"{platform.node()}-{os.getpid()}")
+    except OSError as e:  # a read-only home, say: the run goes on without it, and says so
+        print(f"mpfunc tests: JAX compilation cache off ({machine}: {e})", file=sys.stderr)
+        return
     jax.config.update("jax_compilation_cache_dir", str(own))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
