@@ -644,3 +644,32 @@ def test_bad_updates_are_refused_with_the_argument_named():
         mpfunc_torch.precision_report(net, updates={"3.bias": torch.zeros(1)})
     with pytest.raises(TypeError, match="`updates` must be None"):
         mpfunc_torch.precision_report(net, updates=torch.zeros(3))
+
+
+@pytest.mark.parametrize("mode, cfg", [("bf16", {"master_weights": "remainder"}),
+                                       ("naive", {}), ("torch", {})])
+def test_the_optimizer_report_reads_updates_against_the_params_as_stored(mode, cfg):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model, opt, crit = mpfunc_torch.convert_to_amp(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.MSELoss(), mode=mode, **cfg)
+    opt.zero_grad()
+    opt.backward(crit(model(torch.randn(4, 8)), torch.randn(4, 4)))
+    named = dict(net.named_parameters())  # the converted model's names, as it stores them
+    g = torch.Generator().manual_seed(1)
+    # A mix of steps below and above half an ulp of the stored (half) params.
+    updates = {n: torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(
+        -6, -1, p.shape, generator=g) for n, p in named.items()}
+    rows = opt.precision_report(updates=updates).rows()
+    ref = mpfunc_torch.precision_report(model, updates=updates).rows()
+    got = {r["name"]: r["update_cancelled"] for r in rows}
+    assert got == {r["name"]: r["update_cancelled"] for r in ref} and len(got) == 4
+    for n, p in named.items():  # the rule by hand, on the param as the model stores it
+        u = updates[n]
+        moved = (p.detach().float() + u).to(p.dtype) != p.detach()
+        assert got[n] == ((u != 0) & ~moved).sum().item() / (u != 0).sum().item()
+    assert (0 < min(got.values()) < 1) if mode != "torch" else max(got.values()) < 1
+    assert "update_cancelled" not in opt.precision_report().rows()[0]
+    with pytest.raises(ValueError, match="`updates` has 1 entries, `model` has 4"):
+        opt.precision_report(updates=[None])
+    opt.step()

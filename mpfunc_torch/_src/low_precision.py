@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from _mpfunc_common.storage import STATE_BLOCK
 from mpfunc_torch._src.master_storage import MasterStorage, check_storage, raw
 from mpfunc_torch._src.master_weights import FROM_MODEL, has_stepped, non_finite_names
 from mpfunc_torch._src.optimizer_parts import AmpOptimizerParts
@@ -213,7 +214,7 @@ def persistent_bytes(opt: AmpOptimizerParts, model: torch.nn.Module | None = Non
 
 def use_low_precision(opt: AmpOptimizerParts, master_weights: str = "remainder",
                       state_dtype: Any = None, rounding: str = "nearest", *,
-                      seed: int = 0, block: int = 256) -> LowPrecision:
+                      seed: int = 0, block: int = STATE_BLOCK) -> LowPrecision:
     """Switches ``opt`` (an `AmpOptimizer` with bfloat16 params and float32 masters, or
     any `AmpOptimizer` for ``master_weights="float32"``, before its first step) to
     storing its masters as ``master_weights`` and its optimizer state in
@@ -228,7 +229,8 @@ def use_low_precision(opt: AmpOptimizerParts, master_weights: str = "remainder",
       rounding: how the state is rounded to its dtype: ``"nearest"`` or
         ``"stochastic"`` (bfloat16 and 8-bit state).
       seed: the seed of every random bit (params: stream 0; state: 1, 2, ...).
-      block: elements per scale of 8-bit state.
+      block: elements per scale of 8-bit state (`STATE_BLOCK`, 128, as JAX and
+        `convert_checkpoint` use).
 
     Returns:
       The `LowPrecision` now in ``opt``.

@@ -13,6 +13,7 @@ import torch
 
 from _mpfunc_common.amp_config import check_bool
 from mpfunc_torch._src import fused
+from mpfunc_torch._src.cancelled_updates import match_tensors
 from mpfunc_torch._src.distributed import normalize_groups
 from mpfunc_torch._src.loss_scale import LossScaler
 from mpfunc_torch._src.precision_report import PrecisionReport, _dense, _format, _report
@@ -88,14 +89,17 @@ class OptimizerMetrics:
         self._record_skips_every_step = check_bool("enabled", enabled)
 
     @fused.eager
-    def precision_report(self, dtype: Any = None, *, process_group: Any = None):
+    def precision_report(self, dtype: Any = None, *, process_group: Any = None,
+                         updates: Any = None):
         """`mpfunc_torch.precision_report` of the gradients this step will use, at the
         current scale, named as in the model; call it between `backward` and `step`
-        (see `optimizer_report`). ``dtype`` defaults to the mode's half dtype."""
-        return optimizer_report(self, dtype, process_group)
+        (see `optimizer_report`). ``dtype`` defaults to the mode's half dtype; ``updates``
+        adds ``update_cancelled`` against the params as the model stores them."""
+        return optimizer_report(self, dtype, process_group, updates)
 
 
-def optimizer_report(opt, dtype: Any = None, process_group: Any = None) -> PrecisionReport:
+def optimizer_report(opt, dtype: Any = None, process_group: Any = None,
+                     updates: Any = None) -> PrecisionReport:
     """`AmpOptimizer.precision_report`: the report of the gradients the step will use.
 
     Before `unscale_` it reads the model's gradients, which still carry the scale; after
@@ -103,7 +107,11 @@ def optimizer_report(opt, dtype: Any = None, process_group: Any = None) -> Preci
     rows are those of the unscaled gradients at the current loss scale. Params are named
     as in the converted model's ``named_parameters()``; a watched model adds
     ``first_nonfinite_module``. ``dtype`` defaults to the mode's half dtype (float32
-    where nothing is cast); ``process_group`` as in `precision_report`.
+    where nothing is cast); ``process_group`` as in `precision_report`. ``updates`` (one
+    float32 tensor or None per param in that order, or a dict by name) adds
+    ``update_cancelled``, read against each param as the model stores it (the bfloat16
+    param of a remainder, Kahan or stochastic run, the half param of naive or apex O2):
+    the same rows as ``precision_report(model, updates=...)``.
 
     Raises:
       RuntimeError: before any ``backward``, or after ``step`` (the gradients were used,
@@ -130,5 +138,9 @@ def optimizer_report(opt, dtype: Any = None, process_group: Any = None) -> Preci
         plan.enabled and scaler.kind != "none"
     model = opt._model_ref() if getattr(opt, "_model_ref", None) is not None else None
     tensors = [grads[i] for i in keep]
+    pairs = None
+    if updates is not None:
+        given = match_tensors(list(zip(names, opt._sources)), updates, "updates")
+        pairs = [(opt._sources[i], given[i]) for i in keep]
     return _report([names[i] for i in keep], [_dense(g) for g in tensors], tensors, scale,
-                   fmt, groups, prescaled, model)
+                   fmt, groups, prescaled, model, pairs)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from _mpfunc_common.storage import STATE_BLOCK
 from _mpfunc_common.suggest import did_you_mean
 from mpfunc_torch._src.fp8.quantize import dequantize_fp8
 from mpfunc_torch._src.rounding import (
@@ -89,11 +90,12 @@ class StateDtype:
         dtype name (keys not in it stay float32).
       rounding: ``"nearest"`` or ``"stochastic"`` (bfloat16 and 8-bit state).
       seed: the seed of the stochastic rounding's random bits.
-      block: elements per scale of 8-bit state.
+      block: elements per scale of 8-bit state (`STATE_BLOCK`, 128, as JAX and
+        `convert_checkpoint` use).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, dtype: Any = "bfloat16",
-                 rounding: str = "nearest", *, seed: int = 0, block: int = 256):
+                 rounding: str = "nearest", *, seed: int = 0, block: int = STATE_BLOCK):
         if isinstance(dtype, Mapping):
             self.dtypes = {k: _dtype_name(v, f"state_dtype[{k!r}]") for k, v in dtype.items()}
             self.default = None
