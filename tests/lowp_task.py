@@ -149,3 +149,92 @@ def sharded_run(storage, rank, world, steps=4, bad_at=2):
             if not torch.equal(full(st[key]), full(rst[key])):
                 problems.append(f"state[{i}][{key!r}] differs")
     return problems
+
+
+def _fsdp_step(model, opt, g, bad=False):
+    """One FSDP2 step on gradients ``g`` (whole tensors, sharded here); ``bad``: an inf in
+    the last rank's shard of the last weight. Returns whether it stepped."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    for p, gi in zip(model.parameters(), g):
+        p.grad = distribute_tensor(gi, p.device_mesh, p.placements)
+    if bad and dist.get_rank() == dist.get_world_size() - 1:
+        local(list(model.parameters())[-2].grad)[-1, 0] = float("inf")
+    opt.backward_done()
+    return bool(opt.step())
+
+
+def fsdp_dcp_resume(storage, ckpt, state="bfloat16"):
+    """FSDP2 training saved with torch.distributed.checkpoint after 3 steps, loaded into a
+    differently initialised run, then 2 more steps of both: the loaded run equals the saved
+    one bit for bit after the load and after the steps (raises AssertionError if not).
+    Remainders and compensations are DTensors sharded like their params; the bfloat16
+    state is saved as stored."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    def run(seed):
+        model = net(seed)
+        fully_shard(model)
+        _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage,
+                         state, rounding="stochastic", seed=5)
+        return model, opt
+
+    grads = fixed_grads(5)
+    model, opt = run(0)
+    for g in grads[:3]:
+        assert _fsdp_step(model, opt, g)
+    msd, osd = mpfunc_torch.get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ckpt))
+    model2, opt2 = run(1)
+    msd2, osd2 = mpfunc_torch.get_state_dict(model2, opt2)
+    dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=str(ckpt))
+    mpfunc_torch.set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    same(snapshot(model2, opt2), snapshot(model, opt))
+    for g in grads[3:]:
+        assert _fsdp_step(model, opt, g) and _fsdp_step(model2, opt2, g)
+    same(snapshot(model2, opt2), snapshot(model, opt))
+
+
+def fsdp_8bit_run(steps=4, bad_at=2):
+    """Stochastic params with 8-bit (e4m3, stochastically rounded) moments under FSDP2:
+    each rank's codes and block scales are those of its own shard; an inf in the last
+    rank's shard is skipped by every rank with everything bit for bit, and the params
+    move and stay finite. Returns what went wrong (empty: nothing)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from _mpfunc_common.storage import STATE_BLOCK
+    from mpfunc_torch._src.state_dtype import SCALE_SUFFIX
+
+    model = net()
+    fully_shard(model)
+    _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "stochastic",
+                     "float8_e4m3fn", rounding="stochastic", seed=5)
+    start = [p.detach().full_tensor().float().clone() for p in model.parameters()]
+    problems = []
+    for t, g in enumerate(fixed_grads(steps)):
+        if t == bad_at:
+            before = snapshot(model, opt)
+            if _fsdp_step(model, opt, g, bad=True):
+                problems.append("the overflow step was taken")
+            try:
+                same(before, snapshot(model, opt))
+            except AssertionError as e:
+                problems.append(f"the skipped step changed something: {e!r}")
+        if not _fsdp_step(model, opt, g):
+            problems.append(f"step {t} was skipped")
+    for i, (p, p0) in enumerate(zip(model.parameters(), start)):
+        full = p.detach().full_tensor().float()
+        if not torch.isfinite(full).all() or torch.equal(full, p0):
+            problems.append(f"param {i} is not finite or did not move")
+    for q, st in opt.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            codes, scale = st[key], st[key + SCALE_SUFFIX]
+            n = local(codes).numel()
+            if local(codes).dtype != torch.float8_e4m3fn or local(scale).numel() != -(-n // STATE_BLOCK):
+                problems.append(f"{key} of a {tuple(q.shape)} param on rank "
+                                f"{dist.get_rank()}: {local(codes).dtype}, "
+                                f"{local(scale).numel()} scales for {n} local elements")
+    return problems

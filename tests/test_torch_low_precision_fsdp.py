@@ -18,51 +18,23 @@ STORAGES = ["remainder", "kahan", "stochastic"]
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_one_rank_fsdp_equals_unsharded(gloo_world, storage):
-    from lowp_task import sharded_run
+    from lowp_task import fsdp_8bit_run, fsdp_dcp_resume, sharded_run
 
     assert sharded_run(storage, 0, 1) == []
 
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_one_rank_fsdp_dcp_checkpoint_resumes_bit_for_bit(gloo_world, storage, tmp_path):
-    # torch.distributed.checkpoint of FSDP2 shards: remainders and compensations are
-    # DTensors sharded like their params, the bfloat16 state as stored.
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from lowp_task import convert, fixed_grads, net, same, snapshot
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
+    # torch.distributed.checkpoint of FSDP2 shards (2 ranks in the slow suite below).
+    from lowp_task import fsdp_dcp_resume
 
-    import mpfunc_torch
+    fsdp_dcp_resume(storage, tmp_path)
 
-    def run(seed):
-        model = net(seed)
-        fully_shard(model)
-        _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage,
-                         "bfloat16", rounding="stochastic", seed=5)
-        return model, opt
 
-    def step(model, opt, g):
-        for p, gi in zip(model.parameters(), g):
-            p.grad = distribute_tensor(gi, p.device_mesh, p.placements)
-        opt.backward_done()
-        assert bool(opt.step())
+def test_one_rank_fsdp_8bit_state_skips_exactly_and_trains(gloo_world):
+    from lowp_task import fsdp_8bit_run
 
-    grads = fixed_grads(5)
-    model, opt = run(0)
-    for g in grads[:3]:
-        step(model, opt, g)
-    msd, osd = mpfunc_torch.get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
-    model2, opt2 = run(1)
-    msd2, osd2 = mpfunc_torch.get_state_dict(model2, opt2)
-    dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=str(tmp_path))
-    mpfunc_torch.set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
-    same(snapshot(model2, opt2), snapshot(model, opt))
-    for g in grads[3:]:
-        step(model, opt, g)
-        step(model2, opt2, g)
-    same(snapshot(model2, opt2), snapshot(model, opt))
+    assert fsdp_8bit_run() == []
 
 
 def _free_port():
@@ -72,11 +44,13 @@ def _free_port():
 
 
 @pytest.mark.slow
-def test_two_ranks_round_their_shards_like_the_whole_param():
+def test_two_ranks_round_their_shards_like_the_whole_param(tmp_path):
+    # Each storage trained sharded equals unsharded; each saved with DCP by both ranks
+    # resumes bit for bit; 8-bit stochastic state keeps per-shard blocks and skips exactly.
     port = str(_free_port())
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{root / 'tests'}", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), port], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), port, str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     out = []
@@ -93,13 +67,14 @@ def test_two_ranks_round_their_shards_like_the_whole_param():
                 p.communicate()
     for r in out:
         assert r["problems"] == {s: [] for s in STORAGES}
+        assert r["dcp"] == STORAGES and r["eight_bit"] == []
         assert r["column_bits"]  # a shard along dim 1 indexes the whole tensor's positions
 
 
-def _worker(rank: int, port: str) -> None:  # pragma: no cover - subprocess
+def _worker(rank: int, port: str, tmp: str) -> None:  # pragma: no cover - subprocess
     import torch
     import torch.distributed as dist
-    from lowp_task import sharded_run
+    from lowp_task import fsdp_8bit_run, fsdp_dcp_resume, sharded_run
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -109,6 +84,11 @@ def _worker(rank: int, port: str) -> None:  # pragma: no cover - subprocess
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     result = {"rank": rank, "problems": {s: sharded_run(s, rank, 2) for s in STORAGES}}
+    result["dcp"] = []
+    for s in STORAGES:  # both ranks write their shards into one checkpoint, then load it
+        fsdp_dcp_resume(s, Path(tmp) / s)
+        result["dcp"].append(s)
+    result["eight_bit"] = fsdp_8bit_run()
     # Sharded along its columns (tensor parallelism): the shard is no run of the whole.
     mesh = init_device_mesh("cpu", (2,))
     dt = distribute_tensor(torch.zeros(3, 7), mesh, [Shard(1)])
@@ -121,4 +101,4 @@ def _worker(rank: int, port: str) -> None:  # pragma: no cover - subprocess
 
 
 if __name__ == "__main__":  # pragma: no cover
-    _worker(int(sys.argv[1]), sys.argv[2])
+    _worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
