@@ -18,7 +18,7 @@ STORAGES = ["remainder", "kahan", "stochastic"]
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_one_rank_fsdp_equals_unsharded(gloo_world, storage):
-    from lowp_task import fsdp_8bit_run, fsdp_dcp_resume, sharded_run
+    from lowp_task import sharded_run
 
     assert sharded_run(storage, 0, 1) == []
 
