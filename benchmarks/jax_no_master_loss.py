@@ -9,7 +9,11 @@ keeping the params' exact values in each way, with float32, bfloat16 and 8-bit
 * ``float32``: float32 masters (the reference, with float32 moments);
 * ``remainder``, ``kahan``, ``stochastic``: `mpfunc.master_weights` storages;
 * ``plain``: bfloat16 params without any compensation (Adam in float32 on the params,
-  each update rounded into the param once: ``p = bf16(p + u)``).
+  each update rounded into the param once: ``p = bf16(p + u)``);
+* ``float32-1ulp``: the noise floor: float32 masters again, with one weight (the first
+  element of the largest matrix) moved up one bfloat16 ulp before training, what one
+  remainder tie does to a forward; its gap is what chaotic divergence alone opens (the
+  torch benchmark's row "float32 masters, 1 ulp off").
 
 Reported per run: the final eval loss (mean over held-out batches), its gap to the
 reference, ``(loss - ref) / ref``, and the bytes per parameter of persistent state
@@ -45,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from compare_modes import jax_apply  # noqa: E402
 from data import VOCAB, load_corpus, split, windows  # noqa: E402
 
-METHODS = ("float32", "remainder", "kahan", "stochastic", "plain")
+METHODS = ("float32", "remainder", "kahan", "stochastic", "plain", "float32-1ulp")
+DEFAULT_METHODS = METHODS[:-1]  # the noise floor runs when asked for (--runs, --methods)
 STATES = ("float32", "bfloat16", "float8_e4m3fn")
 
 
@@ -79,7 +84,25 @@ def plain(inner):
         lambda g, s, p=None, **kw: inner.update(f32(g), s, f32(p), **kw))
 
 
+def one_ulp_off(params):
+    """``params`` (float32 values of bfloat16 params) with the first element of the
+    largest leaf (a weight matrix: random, so a normal number in use) moved to the next
+    bfloat16 value up. A zero bias would not do: its next value is subnormal, which
+    XLA:CPU flushes to zero."""
+    leaves, treedef = jax.tree.flatten(params)
+    i = max(range(len(leaves)), key=lambda k: leaves[k].size)
+    flat = np.array(leaves[i], np.float32).reshape(-1)
+    if not abs(flat[0]) >= np.finfo(np.float32).tiny:
+        raise ValueError(f"the largest leaf starts with {flat[0]}: not a normal number")
+    b = flat[:1].astype(jnp.bfloat16)
+    flat[0] = np.float32(jnp.nextafter(b, jnp.asarray(np.inf, jnp.bfloat16))[0])
+    leaves[i] = jnp.asarray(flat.reshape(leaves[i].shape))
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def run(cfg, method, state, data, evals, params0):
+    if method == "float32-1ulp":
+        method, params0 = "float32", one_ulp_off(params0)
     apply = jax_apply(cfg)
     lr = (optax.cosine_decay_schedule(cfg.lr, cfg.steps) if cfg.schedule == "cosine"
           else cfg.lr)
@@ -134,7 +157,7 @@ def main(argv=None):
                     "method x state (the float32/float32 reference always runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     ap.add_argument("--states", default=",".join(STATES))
     ap.add_argument("--json", default=None, help="also write the result here")
     cfg = ap.parse_args(argv)

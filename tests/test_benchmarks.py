@@ -97,6 +97,27 @@ def test_jax_no_master_loss_one_method(tmp_path):
     assert set(r["runs"]) == {"float32/float32", "kahan/bfloat16"}
 
 
+def test_jax_no_master_loss_noise_floor_moves_one_weight_one_bfloat16_ulp():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from jax_no_master_loss import one_ulp_off
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    # The largest leaf's first element: a zero bias's next value would be subnormal,
+    # which XLA:CPU flushes to zero (the first version moved one, and changed nothing).
+    p = {"a": jnp.zeros((1, 3)), "w": jnp.asarray([[1.0, 0.5], [0.25, -2.0]])}
+    leaves = jax.tree.leaves(one_ulp_off(p))
+    bf = [np.asarray(x).astype(jnp.bfloat16) for x in leaves]
+    assert (bf[0] == 0).all()
+    assert float(bf[1][0, 0]) == 1.0 + 2.0**-7 and (bf[1].reshape(-1)[1:] == [0.5, 0.25, -2.0]).all()
+    with pytest.raises(ValueError, match="not a normal number"):
+        one_ulp_off({"w": jnp.zeros((2, 2))})
+
+
 @pytest.mark.slow  # about 8 s
 def test_jax_loss_scale(tmp_path):
     out, cache = tmp_path / "r.json", tmp_path / "cache"
