@@ -21,7 +21,8 @@ budget, the boxes, the wall time), ``parts`` (per part, in the order they ran: c
 time box, status ok / failed / timeout / not run, exit code, start, end and wall time,
 reason, log file and tail), ``tests`` (the two pytest parts' counts, failures and skip
 reasons), then one section per benchmark (`SECTIONS`). A section holds the script's own
-JSON, or ``{"status", "reason"}`` where the part gave none.
+JSON, or ``{"status", "reason"}`` where the part gave none (added to the JSON it gave
+where it timed out or failed after writing it).
 """
 
 from __future__ import annotations
@@ -310,6 +311,10 @@ def assemble(run, results, budget_s=540):
             sections[name] = {"status": status, "reason": reason}
             continue
         sections[name], md = section_of(name, data)
+        if status != "ok" and isinstance(sections[name], dict):
+            # A part that timed out or failed after writing its JSON (a benchmark that
+            # writes row by row): its figures stay, marked as what an incomplete run gave.
+            sections[name] = {**sections[name], "status": status, "reason": reason}
         md_sections[name] = md or bench_markdown(name, sections[name])
     gpu_boxes = sum(p.get("timeout_s", 0) for n, p in parts.items()
                     if n not in CPU_PARTS and "timeout_s" in p)

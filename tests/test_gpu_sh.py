@@ -122,8 +122,9 @@ def test_gpu_report_statuses_and_sections(tmp_path):
     record("jax_gpu_compile", 0, "jax_gpu_compile.json",
            data={"rows": [], "markdown": "| gc |"})
     record("fp8", 127, "fp8.json", missing="benchmarks/fp8.py")
-    record("jax_loss_scale", 124, "jax_loss_scale.json",
-           log="Fatal Python error: Aborted\n\nCurrent thread (most recent call first):")
+    record("jax_loss_scale", 124, "jax_loss_scale.json",  # timed out after writing a row
+           log="Fatal Python error: Aborted\n\nCurrent thread (most recent call first):",
+           data={"median_step_ms": {"plain": 1.5}})
     record("unscale_bandwidth", 0, "unscale_bandwidth.json")  # exit 0, no JSON
     record("torch_modes", 1, "torch_modes.json", log="Traceback ...\nValueError: x")
     record("precision_report", 0, "precision_report.json", skipped="time budget: 3 s left")
@@ -153,6 +154,9 @@ def test_gpu_report_statuses_and_sections(tmp_path):
     assert "wrote no JSON" in r["parts"]["unscale_bandwidth"]["reason"]
     assert r["compare_modes"] == {"rows": [1]}  # the inner section, unwrapped
     assert r["fp8"] == {"status": "failed", "reason": "benchmarks/fp8.py is missing"}
+    # What a part wrote before it timed out stays, marked as incomplete.
+    assert r["jax_loss_scale"] == {"median_step_ms": {"plain": 1.5}, "status": "timeout",
+                                   "reason": r["parts"]["jax_loss_scale"]["reason"]}
     t = r["tests"]["gpu_tests"]
     assert (t["passed"], t["failed"], t["skipped"]) == (1, 1, 1)
     assert t["failures"] == [{"test": "t::b", "kind": "failure", "message": "boom"}]
