@@ -86,6 +86,8 @@ def rotated(offset, keep=5):
     return [pytest.param(*m, id=i) if (k - offset) % len(MODES) < keep else
             pytest.param(*m, id=i, marks=pytest.mark.slow)
             for k, (m, i) in enumerate(zip(MODES, IDS))]
+
+
 _REF = {}
 
 

@@ -670,6 +670,8 @@ def test_the_optimizer_report_reads_updates_against_the_params_as_stored(mode, c
         assert got[n] == ((u != 0) & ~moved).sum().item() / (u != 0).sum().item()
     assert (0 < min(got.values()) < 1) if mode != "torch" else max(got.values()) < 1
     assert "update_cancelled" not in opt.precision_report().rows()[0]
-    with pytest.raises(ValueError, match="`updates` has 1 entries, `model` has 4"):
+    with pytest.raises(ValueError, match="`updates` has 1 entries, the optimizer's model has 4"):
         opt.precision_report(updates=[None])
+    with pytest.raises(ValueError, match="not params of the optimizer's model .*did you mean `0.weight`"):
+        opt.precision_report(updates={"0.wieght": torch.zeros(16, 8)})
     opt.step()

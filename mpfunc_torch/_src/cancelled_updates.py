@@ -13,23 +13,26 @@ from typing import Any
 
 import torch
 
+from _mpfunc_common.suggest import did_you_mean
 from mpfunc_torch._src.sharding import local
 
 __all__ = ["match_tensors", "update_counts"]
 
 
-def match_tensors(named: list, given: Any, name: str) -> list:
+def match_tensors(named: list, given: Any, name: str, owner: str = "`model`") -> list:
     """One tensor or None per ``(param name, param)`` of ``named``, from ``given``: a
-    sequence in that order or a dict by name. Raises errors naming ``name``."""
+    sequence in that order or a dict by name. Raises errors naming ``name`` and, for
+    the params, ``owner``."""
     if isinstance(given, Mapping):
         unknown = sorted(set(given) - {n for n, _ in named})
         if unknown:
             raise ValueError(f"`{name}` names {unknown[:3]}, which are not params of "
-                             f"`model` (it has {[n for n, _ in named][:3]}...).")
+                             f"{owner} (it has {[n for n, _ in named][:3]}...)"
+                             f"{did_you_mean(unknown, [n for n, _ in named])}.")
         chosen = [given.get(n) for n, _ in named]
     elif isinstance(given, Sequence) and not isinstance(given, str):
         if len(given) != len(named):
-            raise ValueError(f"`{name}` has {len(given)} entries, `model` has {len(named)} "
+            raise ValueError(f"`{name}` has {len(given)} entries, {owner} has {len(named)} "
                              "params: give one per param (None for none), in "
                              "named_parameters() order.")
         chosen = list(given)

@@ -140,7 +140,8 @@ def optimizer_report(opt, dtype: Any = None, process_group: Any = None,
     tensors = [grads[i] for i in keep]
     pairs = None
     if updates is not None:
-        given = match_tensors(list(zip(names, opt._sources)), updates, "updates")
+        given = match_tensors(list(zip(names, opt._sources)), updates, "updates",
+                              "the optimizer's model")
         pairs = [(opt._sources[i], given[i]) for i in keep]
     return _report([names[i] for i in keep], [_dense(g) for g in tensors], tensors, scale,
                    fmt, groups, prescaled, model, pairs)
