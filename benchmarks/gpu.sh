@@ -136,8 +136,10 @@ if [ $DRY = 1 ]; then
   IMPORTS=(--rounds 1)
   GPU_COMPILE=(--device cpu --modes fp32 --forms scanned --options default,no_triton_gemm
                --window 1)
+  # Two modes besides fp32 (the pipeline, not the modes: tests/test_examples.py runs
+  # every mode on CPU); all nine compiled twice took 146 s of a slow 2-core machine.
   COMPARE=(--device cpu --layers 1 --width 32 --heads 2 --context 16 --batch 2 --steps 4
-           --rounds 1 --window 2)
+           --rounds 1 --window 2 --modes naive,bf16-remainder)
   SCALE_COST=(--depths 1 --batch 2 --rounds 1 --iters 1 --only "mode naive")
   LOSS_SCALE=(--batch 8 --width 32 --depth 1 --rounds 1 --iters 1)
   UNSCALE=(--mib 1 --reps 2)

@@ -397,8 +397,12 @@ def check_gpt(steps, **size):
     (j_scales, j_ok), (t_scales, t_ok) = warm["jax"], warm["torch"]
     np.testing.assert_array_equal(bits(j_scales), bits(t_scales))  # one trajectory
     assert j_ok == t_ok
-    plain_scales, plain_ok = gpt_runs(steps, warm_start=False, frameworks=("torch",),
-                                      **size)["torch"]
+    # The plain rule's contrast runs in JAX: the frameworks follow one trajectory under
+    # either rule (the warm one above; the plain one in test_torch_loss_scale's
+    # test_torch_and_jax_trajectories_are_bit_identical), and torch's float16 matmuls are
+    # ~20x slower than float32 on a CPU (a third of this test's 8 minutes on 2 cores).
+    plain_scales, plain_ok = gpt_runs(steps, warm_start=False, frameworks=("jax",),
+                                      **size)["jax"]
     assert j_ok.count(False) <= 3 < plain_ok.count(False), (j_ok, plain_ok)
     assert 0.25 <= j_scales[-1] / plain_scales[-1] <= 4.0, (j_scales[-1], plain_scales[-1])
     return j_ok.count(False), plain_ok.count(False)
