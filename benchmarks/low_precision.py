@@ -1,6 +1,6 @@
 """Training without float32 master weights (torch): bytes per param, update cost, loss.
 
-Three measurements of `mpfunc_torch._src.low_precision.use_low_precision` (masters stored
+Four measurements of `mpfunc_torch._src.low_precision.use_low_precision` (masters stored
 as ``remainder``, ``kahan`` or ``stochastic`` bfloat16 params; optimizer state in
 bfloat16 or 8 bits):
 
@@ -8,10 +8,15 @@ bfloat16 or 8 bits):
   placeholders, remainders/compensation, every optimizer-state tensor with its step
   counts and block scales, seed and step), counted from the buffers themselves
   (`persistent_bytes`), for a model of ``--params`` parameters.
+* ``peak``: what one optimizer step allocates at its peak, per parameter (torch's CPU
+  allocator, `torch_memory.allocation_peaks`): the float32 master grads, and the float32
+  masters and state that the generic path builds whole and the fused-AdamW path
+  (`mpfunc_torch._src.storage_kernels`) a chunk at a time.
 * ``overhead``: the optimizer update alone (gradients given: unscale/copy into float32,
   the inner AdamW, rounding or compensation, state casts), against
   ``torch.optim.AdamW(foreach=True)`` stepping bfloat16 params (and bfloat16 state, as
-  torch makes it) directly. Rounds alternate the variants; each round times
+  torch makes it) directly; ``AdamW(fused=True)`` on bfloat16 params is shown beside it,
+  as are the fused-AdamW variants on the generic path. Rounds alternate the variants; each round times
   ``--steps-per-round`` steps of each, and the report gives each variant's median time
   and the median over rounds of its per-round ratio to the baseline (paired, so a busy
   spell on a shared machine slows a round's runs alike).
@@ -22,7 +27,7 @@ bfloat16 or 8 bits):
   weight moved by one bfloat16 ulp before training (what one remainder tie does), so
   the gap that chaotic divergence alone opens in ``--steps`` steps.
 
-    python benchmarks/low_precision.py                       # all three, CPU sizes
+    python benchmarks/low_precision.py                       # all four, CPU sizes
     python benchmarks/low_precision.py --part loss --steps 1000 --json out/lp.json
 """
 
@@ -53,14 +58,28 @@ VARIANTS = {
                                             {"fused": True}),
     "stochastic + bf16 state, fused AdamW": ("stochastic", "bfloat16", "nearest",
                                              {"fused": True}),
+    # The same step without the fused-kernel path (mpfunc_torch._src.storage_kernels):
+    # whole float32 masters and state built, stepped and written back.
+    "remainder + bf16 state, fused AdamW, generic path": ("remainder", "bfloat16", "nearest",
+                                                          {"fused": True, "generic": True}),
+    "float32 masters, fused AdamW": (None, None, "nearest", {"fused": True}),
 }
 BYTES_VARIANTS = ["float32 masters", "remainder", "remainder + bf16 state",
                   "kahan + bf16 state", "stochastic + bf16 state", "stochastic + 8-bit state",
                   "stochastic + 8-bit state (stochastic)"]
 OVERHEAD_VARIANTS = ["float32 masters", "remainder + bf16 state", "kahan + bf16 state",
                      "stochastic + bf16 state", "stochastic + bf16 state (stochastic)",
-                     "remainder + bf16 state, fused AdamW",
+                     "float32 masters, fused AdamW", "remainder + bf16 state, fused AdamW",
+                     "remainder + bf16 state, fused AdamW, generic path",
                      "stochastic + bf16 state, fused AdamW"]
+PEAK_VARIANTS = ["float32 masters, fused AdamW", "remainder + bf16 state, fused AdamW",
+                 "remainder + bf16 state, fused AdamW, generic path",
+                 "stochastic + bf16 state, fused AdamW"]
+
+
+def inner_options(name):
+    """The inner AdamW's keyword arguments of variant ``name`` (foreach unless fused)."""
+    return {k: v for k, v in VARIANTS[name][3].items() if k != "generic"} or {"foreach": True}
 LOSS_VARIANTS = ["float32 masters", "remainder", "remainder + bf16 state",
                  "kahan + bf16 state", "stochastic + bf16 state",
                  "stochastic + bf16 state (stochastic)", "stochastic + 8-bit state",
@@ -78,7 +97,9 @@ def convert(model, inner, name, seed=0):
         model, inner, mode="apex", opt_level="O2", cast_model_type=torch.bfloat16,
         keep_batchnorm_fp32=False, loss_scale=1.0, verbosity=0)
     if storage is not None or state is not None:
-        use_low_precision(opt, storage or "float32", state, rounding, seed=seed)
+        lowp = use_low_precision(opt, storage or "float32", state, rounding, seed=seed)
+        if VARIANTS[name][3].get("generic"):
+            lowp.kernels = None
     return model_c, opt
 
 
@@ -129,11 +150,19 @@ def overhead_part(n_params, rounds, per_round):
         base_opt.step()
 
     runs["AdamW(foreach) on bf16 params"] = base_step
+    fused_base = flat_model(n_params).bfloat16()
+    fused_opt = torch.optim.AdamW(fused_base.parameters(), lr=1e-4, fused=True)
+
+    def fused_base_step():
+        for p, g in zip(fused_base.parameters(), grads):
+            p.grad = g
+        fused_opt.step()
+
+    runs["AdamW(fused) on bf16 params"] = fused_base_step
     for name in OVERHEAD_VARIANTS:
         torch.manual_seed(0)
         model = flat_model(n_params)
-        inner = torch.optim.AdamW(model.parameters(), lr=1e-4,
-                                  **(VARIANTS[name][3] or {"foreach": True}))
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **inner_options(name))
         _, opt = convert(model, inner, name)
 
         def step(model=model, opt=opt):
@@ -161,6 +190,36 @@ def overhead_part(n_params, rounds, per_round):
                   "paired_median_ratio": statistics.median(ratios),
                   "ratio_min": min(ratios), "ratio_max": max(ratios)}
     return {"params": n_params, "rounds": rounds, "steps_per_round": per_round, "runs": out}
+
+
+def peak_part(n_params):
+    """Bytes per param allocated inside one optimizer step at its peak (a step after the
+    first two, which make the state), counted at torch's CPU allocator
+    (``torch_memory.allocation_peaks``): the float32 master grads and each path's float32
+    temporaries, nothing of what persists."""
+    import torch
+    from torch.profiler import record_function
+    from torch_memory import STEP, allocation_peaks
+
+    out = {}
+    for name in PEAK_VARIANTS:
+        torch.manual_seed(0)
+        model = flat_model(n_params)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **inner_options(name))
+        _, opt = convert(model, inner, name)
+        grads = [torch.randn_like(p) for p in model.parameters()]
+
+        def step(model=model, opt=opt, grads=grads):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+            opt.backward_done()
+            with record_function(STEP):
+                opt.step()
+
+        step()
+        step()
+        out[name] = allocation_peaks(step)["step_peaks"][-1] / n_params
+    return {"params": n_params, "step_peak_bytes_per_param": out}
 
 
 def loss_part(steps, cfg, seeds):
@@ -249,6 +308,12 @@ def to_markdown(r):
                   "from the buffers after one step):", "", "| variant | bytes/param |",
                   "| --- | --- |"]
         lines += [f"| {k} | {v:.3f} |" for k, v in b["bytes_per_param"].items()] + [""]
+    if "peak" in r:
+        lines += [f"Allocated inside one optimizer step at its peak, {r['peak']['params']:,} "
+                  "params (torch's CPU allocator; the float32 master grads and temporaries):",
+                  "", "| variant | bytes/param |", "| --- | --- |"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in r["peak"]["step_peak_bytes_per_param"].items()]
+        lines += [""]
     if "overhead" in r:
         o = r["overhead"]
         heap = ("freed memory kept in the heap (--keep-freed-memory)" if r["keep_freed_memory"]
@@ -276,8 +341,8 @@ def to_markdown(r):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="bytes,overhead,loss",
-                    help="comma-separated: bytes, overhead, loss")
+    ap.add_argument("--part", default="bytes,peak,overhead,loss",
+                    help="comma-separated: bytes, peak, overhead, loss")
     ap.add_argument("--params", type=int, default=2**22)
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--steps-per-round", type=int, default=2)
@@ -297,9 +362,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     parts = [p for p in args.part.split(",") if p]
-    unknown = sorted(set(parts) - {"bytes", "overhead", "loss"})
+    unknown = sorted(set(parts) - {"bytes", "peak", "overhead", "loss"})
     if unknown:
-        ap.error(f"--part: unknown {unknown}; choose from bytes, overhead, loss")
+        ap.error(f"--part: unknown {unknown}; choose from bytes, peak, overhead, loss")
     for name in ("params", "rounds", "steps_per_round", "steps", "seeds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -313,6 +378,8 @@ def main(argv=None):
          "keep_freed_memory": args.keep_freed_memory}
     if "bytes" in parts:
         r["bytes"] = bytes_part(args.params)
+    if "peak" in parts:
+        r["peak"] = peak_part(args.params)
     if "overhead" in parts:
         r["overhead"] = overhead_part(args.params, args.rounds, args.steps_per_round)
     if "loss" in parts:

@@ -99,21 +99,24 @@ def round_trip(obj):
     return torch.load(buf, weights_only=True)
 
 
-def sharded_run(storage, rank, world, steps=4, bad_at=2):
+def sharded_run(storage, rank, world, steps=4, bad_at=2, fused=False):
     """FSDP2 (``fully_shard``) training of `net` on fixed gradients, next to the same
     training unsharded in this process; an inf in the last rank's shard at ``bad_at``.
     Returns what differs (empty: the gathered params, remainders/compensation and
-    state equal the unsharded ones bit for bit, and the overflow changed nothing)."""
+    state equal the unsharded ones bit for bit, and the overflow changed nothing).
+    ``fused``: AdamW(fused=True), the sharded run through torch's fused kernel a chunk at
+    a time (`mpfunc_torch._src.storage_kernels`), the unsharded one on the generic path."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
     model = net()
     fully_shard(model)
-    _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2), storage,
-                     "bfloat16", rounding="stochastic", seed=5)
+    _, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused),
+                     storage, "bfloat16", rounding="stochastic", seed=5)
     ref_model = net()
-    _, ref = convert(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2), storage,
-                     "bfloat16", rounding="stochastic", seed=5)
+    _, ref = convert(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=fused),
+                     storage, "bfloat16", rounding="stochastic", seed=5)
+    ref._lowp.kernels = None
     problems = []
     for t, g in enumerate(fixed_grads(steps)):
         if t == bad_at:
@@ -133,6 +136,8 @@ def sharded_run(storage, rank, world, steps=4, bad_at=2):
             p.grad = distribute_tensor(gi, p.device_mesh, p.placements)
         opt.backward_done()
         opt.step()
+        if fused and t > 0 and not opt._lowp.kernel_path:
+            problems.append(f"step {t} did not take the fused kernel path")
         step_with(ref, list(ref_model.parameters()), g)
 
     def full(t):  # gathered as float32 (exact for bfloat16 and int16: gloo has neither)

@@ -207,8 +207,15 @@ def test_low_precision(tmp_path):
     assert per_param["stochastic + bf16 state"] == pytest.approx(6, abs=0.05)
     assert 4 < per_param["stochastic + 8-bit state"] < 4.1
     assert 4 < per_param["stochastic + 8-bit state (stochastic)"] < 4.1
+    peak = r["peak"]["step_peak_bytes_per_param"]  # counted at the allocator: exact
+    assert 4 <= peak["float32 masters, fused AdamW"] < 4.5  # the float32 master grads
+    assert peak["remainder + bf16 state, fused AdamW, generic path"] >= 16
+    # One chunk holds this model whole: the fused path's workspace is the same 12 bytes.
+    assert peak["remainder + bf16 state, fused AdamW"] <= peak[
+        "remainder + bf16 state, fused AdamW, generic path"]
     runs = r["overhead"]["runs"]
     assert runs["AdamW(foreach) on bf16 params"]["paired_median_ratio"] == 1
+    assert "AdamW(fused) on bf16 params" in runs
     assert all(v["median_ms"] > 0 for v in runs.values())
     losses = r["loss"]["runs"]
     assert losses["float32 masters"]["gap_vs_float32_masters"] == 0

@@ -17,10 +17,13 @@ STORAGES = ["remainder", "kahan", "stochastic"]
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-def test_one_rank_fsdp_equals_unsharded(gloo_world, storage):
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_rank_fsdp_equals_unsharded(gloo_world, storage, fused):
+    # fused: the FSDP2 run takes torch's fused AdamW kernel a chunk at a time on each
+    # shard (mpfunc_torch._src.storage_kernels), the unsharded one the generic path.
     from lowp_task import sharded_run
 
-    assert sharded_run(storage, 0, 1) == []
+    assert sharded_run(storage, 0, 1, fused=fused) == []
 
 
 @pytest.mark.parametrize("storage", STORAGES)
@@ -67,6 +70,7 @@ def test_two_ranks_round_their_shards_like_the_whole_param(tmp_path):
                 p.communicate()
     for r in out:
         assert r["problems"] == {s: [] for s in STORAGES}
+        assert r["fused"] == {s: [] for s in STORAGES}
         assert r["dcp"] == STORAGES and r["eight_bit"] == []
         assert r["column_bits"]  # a shard along dim 1 indexes the whole tensor's positions
 
@@ -83,7 +87,8 @@ def _worker(rank: int, port: str, tmp: str) -> None:  # pragma: no cover - subpr
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
-    result = {"rank": rank, "problems": {s: sharded_run(s, rank, 2) for s in STORAGES}}
+    result = {"rank": rank, "problems": {s: sharded_run(s, rank, 2) for s in STORAGES},
+              "fused": {s: sharded_run(s, rank, 2, fused=True) for s in STORAGES}}
     result["dcp"] = []
     for s in STORAGES:  # both ranks write their shards into one checkpoint, then load it
         fsdp_dcp_resume(s, Path(tmp) / s)

@@ -168,12 +168,14 @@ def test_a_skipped_step_changes_nothing_and_the_next_one_continues(storage, stat
 
 @pytest.mark.parametrize("storage", ["remainder", "kahan", "stochastic"])
 @pytest.mark.parametrize("model_first", [True, False])
-def test_a_resumed_run_continues_bit_for_bit(storage, model_first):
+@pytest.mark.parametrize("fused", [False, True])  # True: through torch's fused kernel
+def test_a_resumed_run_continues_bit_for_bit(storage, model_first, fused):
     grads = fixed_grads(6)
 
     def fresh(seed):
         model = net()
-        model_c, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+        model_c, opt = convert(model, torch.optim.AdamW(model.parameters(), lr=1e-2,
+                                                        fused=fused),
                                storage, "bfloat16", rounding="stochastic", seed=seed)
         return model, opt
 
@@ -193,6 +195,7 @@ def test_a_resumed_run_continues_bit_for_bit(storage, model_first):
     for g in grads[3:]:
         step_with(opt2, list(model2.parameters()), g)
     same(snapshot(model, opt), snapshot(model2, opt2))
+    assert opt2._lowp.kernel_path == fused  # the loaded state took the fused path at once
 
 
 def _corrupt_cases(sd):

@@ -16,7 +16,8 @@ def test_private_names_are_used_in_fused_only():
 
     root = pathlib.Path(fused.__file__).parents[1]
     names = ("_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_",
-             "torch._scaled_mm(", "_disable_dynamo", "OptimizedModule")
+             "torch._scaled_mm(", "_disable_dynamo", "OptimizedModule", "_python_dispatch",
+             "_fused_adamw_", "_global_optimizer_pre_hooks")
     for path in root.rglob("*.py"):
         text = path.read_text()
         for name in names:
@@ -111,3 +112,41 @@ def test_eager_runs_a_method_outside_dynamo_so_its_writes_are_kept():
     assert c.calls == 1
     assert f(torch.ones(2)).tolist() == [4.0, 4.0]
     assert c.calls == 2  # ran again: a graph break, not a traced-away call
+
+
+def test_fused_adam_and_adamw_call_the_kernels_taken_over_through_a_dispatch_mode():
+    # storage_kernels relies on: torch.optim.Adam/AdamW(fused=True) calling one of
+    # ADAM_KERNELS per step, with the params themselves (not copies) in its first list and
+    # the state tensors as stored (a bfloat16 moment beside float32 params reaches it).
+    seen = []
+
+    class Record(fused.DispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in fused.ADAM_KERNELS:
+                seen.append((func, args[0], [t.dtype for t in args[2]], dict(kwargs or {})))
+                return None  # not stepped: the caller's to do
+            return func(*args, **(kwargs or {}))
+
+    for cls, lr in [(torch.optim.Adam, 1e-3), (torch.optim.AdamW, torch.tensor(1e-3))]:
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = cls([p], lr=lr, fused=True)
+        p.grad = torch.ones(3)
+        opt.step()  # makes the state
+        opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].bfloat16()
+        seen.clear()
+        with Record():
+            opt.step()
+        [(func, params, dtypes, kwargs)] = seen
+        assert params[0] is p and dtypes == [torch.bfloat16]
+        assert {"beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize"} <= set(kwargs)
+        assert opt.state[p]["step"].item() == 2  # torch counts the step before the kernel
+    assert not fused.has_step_hooks(opt)
+    handle = opt.register_step_pre_hook(lambda *a: None)
+    assert fused.has_step_hooks(opt)
+    handle.remove()
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda *a: None)
+    assert fused.has_step_hooks(opt)
+    handle.remove()
+    assert not fused.has_step_hooks(opt)

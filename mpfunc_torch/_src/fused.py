@@ -15,6 +15,10 @@ and the oldest; see the Makefile's test-latest and test-oldest):
 * ``torch._disable_dynamo`` (`eager`) and ``torch._dynamo.eval_frame.OptimizedModule``
   (`compiled_inner`): run a method outside dynamo, and look inside
   ``torch.compile(module)``.
+* ``torch.ops.aten._fused_adam_`` / ``_fused_adamw_`` (`ADAM_KERNELS`), seen through a
+  ``torch.utils._python_dispatch.TorchDispatchMode`` (`DispatchMode`), and the step
+  hooks of ``torch.optim.optimizer`` (`has_step_hooks`): the fused Adam kernel that
+  `mpfunc_torch._src.storage_kernels` takes over from inside ``Adam.step``.
 
 Sparse gradients are handled through their (coalesced) values, complex ones through
 their real view, so both real and imaginary parts are unscaled and checked.
@@ -26,8 +30,13 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.optim.optimizer as _optimizer_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "ADAM_KERNELS",
+    "DispatchMode",
+    "has_step_hooks",
     "eager",
     "compiled_inner",
     "fused_cpu_sgd_updates_half",
@@ -282,6 +291,23 @@ def step_with_found_inf_(optimizer: torch.optim.Optimizer, grad_scale, found_inf
         optimizer.step()
     finally:
         optimizer.grad_scale, optimizer.found_inf = None, None  # pyright: ignore[reportAttributeAccessIssue]  # as above
+
+
+# ------------------------------------------------------- the fused Adam kernel, taken over
+# The overloads of the kernel that torch.optim.Adam/AdamW(fused=True) call once per
+# device and dtype (``tensor_lr``: a tensor learning rate).
+ADAM_KERNELS = frozenset(getattr(getattr(torch.ops.aten, name), overload)
+                         for name in ("_fused_adam_", "_fused_adamw_")
+                         for overload in ("default", "tensor_lr"))
+DispatchMode = TorchDispatchMode  # sees every aten call made while it is entered
+
+
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step pre- or post-hook is registered on ``optimizer`` or globally
+    (``register_optimizer_step_pre_hook``): such a hook may read the params."""
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or _optimizer_module._global_optimizer_pre_hooks
+                or _optimizer_module._global_optimizer_post_hooks)
 
 
 # ------------------------------------------------------------------ torch._scaled_mm

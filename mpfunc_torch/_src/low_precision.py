@@ -8,6 +8,9 @@ float32 masters, before its first step) to a `MasterStorage` (``"remainder"``,
   and state of the params that have a gradient (one chunk's, with ``step_chunks > 1``),
   step, write them back (rounded as configured, random bits of step number `step`),
   free them. A step that fails inside puts the stored state back and writes nothing.
+  With ``torch.optim.Adam``/``AdamW(fused=True)`` the same step runs chunk by chunk
+  through torch's fused kernel instead (`mpfunc_torch._src.storage_kernels`), bit for
+  bit, with a few chunks of float32 temporaries.
 * **Exact skips.** The skip is decided on the host before any of that (one read of the
   overflow flag, as for any non-fused optimizer), so a skipped step touches no param,
   remainder, compensation, state or counter; `advance` counts taken steps only.
@@ -35,6 +38,7 @@ from mpfunc_torch._src.master_weights import FROM_MODEL, has_stepped, non_finite
 from mpfunc_torch._src.optimizer_parts import AmpOptimizerParts
 from mpfunc_torch._src.sharding import local
 from mpfunc_torch._src.state_dtype import StateDtype
+from mpfunc_torch._src.storage_kernels import StorageKernels
 
 __all__ = ["LowPrecision", "use_low_precision", "low_precision_of", "persistent_bytes"]
 
@@ -59,6 +63,10 @@ class LowPrecision:
                  state: StateDtype | None, seed: int):
         self.optimizer, self.storage, self.state = optimizer, storage, state
         self.seed, self.step = seed, 0
+        # The fused Adam path (mpfunc_torch._src.storage_kernels), where it applies; None
+        # always takes the generic one. `kernel_path`: whether the last step took it.
+        self.kernels: StorageKernels | None = StorageKernels(optimizer, storage, state)
+        self.kernel_path = False
 
     @property
     def kind(self) -> str:
@@ -80,6 +88,11 @@ class LowPrecision:
     def _around(self, inner: Callable[[], Any], write_back: bool) -> None:
         qs = [q for g in self.optimizer.param_groups for q in g["params"]
               if q.grad is not None]
+        self.kernel_path = bool(write_back and self.kernels is not None
+                                and self.kernels.ready(qs))
+        if self.kernel_path and self.kernels is not None:
+            self.kernels.step_(inner, qs, self.step)
+            return
         idx = self.storage.positions(qs) if self.storage is not None else []
         if self.storage is not None:
             self.storage.begin_(idx)
