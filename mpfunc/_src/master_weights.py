@@ -4,6 +4,7 @@ their stand-ins (a remainder, a Kahan compensation, stochastic rounding; see
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -135,8 +136,12 @@ def master_weights(
     def init_fn(params):
         # The masters are their own buffers, float32 params included (apex O2's norms):
         # aliasing a param, they could not both be donated to a step.
-        master = jax.tree_util.tree_map(
-            lambda x: jnp.array(x, jnp.float32, copy=True) if _is_float(x) else x, params)
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        at = [i for i, x in enumerate(leaves) if _is_float(x)]
+        master = list(leaves)
+        for i, m in zip(at, _copies_f32(tuple(leaves[i] for i in at))):
+            master[i] = m
+        master = treedef.unflatten(master)
         return MasterWeightsState(master_params=master, inner_state=inner.init(master))
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -147,27 +152,51 @@ def master_weights(
         inner_updates, inner_state = inner.update(
             grads, state.inner_state, state.master_params, **extra_args
         )
-        new_master = optax.apply_updates(state.master_params, inner_updates)
         # Standard promotion: float32 updates, which apply_updates adds in float32 and
         # rounds once, landing every param on its rounded master; strict promotion
         # refuses bfloat16 + float32, so there they are in the param's dtype.
         exact = (jax.config.jax_numpy_dtype_promotion  # pyright: ignore[reportAttributeAccessIssue]  # jax sets its options as attributes at run time
                  != "strict")
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        upd = treedef.flatten_up_to(inner_updates)
+        masters = treedef.flatten_up_to(state.master_params)
+        at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+        out, new_master = list(upd), list(masters)
+        for i, d, m in zip(at, *_emit_all(tuple(leaves[i] for i in at),
+                                          tuple(upd[i] for i in at),
+                                          tuple(masters[i] for i in at), exact)):
+            out[i], new_master[i] = d, m
+        return treedef.unflatten(out), MasterWeightsState(
+            master_params=treedef.unflatten(new_master), inner_state=inner_state)
 
-        def emit(p, u, m_new):
-            if not _is_float(p):
-                return u
-            if p.dtype == jnp.float32:
-                return u.astype(jnp.float32)
-            if exact:  # float32, exact: apply_updates lands on the rounded master
-                d = m_new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
-                return jnp.where(d == 0, jnp.float32(-0.0), d)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+@jax.jit
+def _copies_f32(xs: tuple) -> tuple:
+    """float32 copies (new buffers: a jitted function's outputs are its own)."""
+    return tuple(x.astype(jnp.float32) for x in xs)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _emit_all(params: tuple, updates: tuple, masters: tuple, exact: bool) -> tuple:
+    """(emitted updates, new masters) of the array leaves: the new master is the old one
+    plus the inner update (``optax.apply_updates``); a half param's update lands it on
+    the rounded new master (see `master_weights`)."""
+    out, new = [], []
+    for p, u, m in zip(params, updates, masters):
+        m_new = jnp.asarray(m + u).astype(m.dtype)  # optax.apply_updates, on one leaf
+        new.append(m_new)
+        if not _is_float(p):
+            out.append(u)
+        elif p.dtype == jnp.float32:
+            out.append(u.astype(jnp.float32))
+        elif exact:  # float32, exact: apply_updates lands on the rounded master
+            d = m_new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+            out.append(jnp.where(d == 0, jnp.float32(-0.0), d))
+        else:
             d = (m_new.astype(p.dtype) - p).astype(p.dtype)
             # A zero step is -0.0, so that a parameter whose rounded master did not
             # move keeps every bit (p + -0.0 == p, where -0.0 + +0.0 would be +0.0).
-            return jnp.where(d == 0, jnp.asarray(-0.0, p.dtype), d)
-
-        out = jax.tree_util.tree_map(emit, params, inner_updates, new_master)
-        return out, MasterWeightsState(master_params=new_master, inner_state=inner_state)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+            out.append(jnp.where(d == 0, jnp.asarray(-0.0, p.dtype), d))
+    return tuple(out), tuple(new)

@@ -27,6 +27,7 @@ and a stochastic param keeps the landed value (and differs from torch's there).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -162,10 +163,50 @@ def _stochastic_step(p, u, seed, step, exact):
     return _emit(pf, jax.lax.bitcast_convert_type(target, _F32), jnp.bfloat16, exact)[0]
 
 
+@functools.partial(jax.jit, static_argnums=(2,))
+def _masters(leaves: tuple, beside: tuple, storage: str) -> tuple:
+    """The exact (float32) values of the half leaves (`param_storage`'s update)."""
+    out = []
+    for p, e in zip(leaves, beside):
+        if not _is_half(p):
+            out.append(p)
+        elif storage == "remainder":
+            out.append(join_remainder(p, e))
+        elif storage == "kahan":
+            out.append(p.astype(_F32) + e.astype(_F32))
+        else:
+            out.append(p.astype(_F32))
+    return tuple(out)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 6))
+def _steps(leaves: tuple, inner_updates: tuple, beside: tuple, storage: str, seed: jax.Array,
+           step: jax.Array, exact: bool) -> tuple[tuple, tuple]:
+    """(updates to emit, new remainders / compensation) of every leaf."""
+    out, new_beside = [], []
+    for p, u, e in zip(leaves, inner_updates, beside):
+        if not _is_half(p):
+            out.append(u.astype(p.dtype) if _is_float(p) else u)
+            new_beside.append(e)
+            continue
+        u = u.astype(_F32)
+        if storage == "remainder":
+            d, e = _remainder_step(p, e, u, exact)
+        elif storage == "kahan":
+            d, e = _kahan_step(p, e, u, exact)
+        else:
+            d = _stochastic_step(p, u, seed, step, exact)
+        out.append(d)
+        new_beside.append(e)
+    return tuple(out), tuple(new_beside)
+
+
 def param_storage(inner: optax.GradientTransformationExtraArgs, storage: str,
                   seed: int) -> optax.GradientTransformationExtraArgs:
     """`master_weights` for ``storage`` "remainder", "kahan" or "stochastic" (checked
-    by the caller); ``inner`` already an extra-args transformation."""
+    by the caller); ``inner`` already an extra-args transformation. The work on the
+    leaves around ``inner`` is two jitted functions of the whole tree (called eagerly:
+    two compiles, not one per op and leaf)."""
 
     def init_fn(params):
         _check_params(storage, params)
@@ -194,16 +235,11 @@ def param_storage(inner: optax.GradientTransformationExtraArgs, storage: str,
             beside: list[Any] = [None] * len(leaves)
         else:
             beside = treedef.flatten_up_to(state[0])
-        masters = []
-        for p, e in zip(leaves, beside):
-            if not _is_half(p):
-                masters.append(p)
-            elif storage == "remainder":
-                masters.append(join_remainder(p, e))
-            elif storage == "kahan":
-                masters.append(p.astype(_F32) + e.astype(_F32))
-            else:
-                masters.append(p.astype(_F32))
+        arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+        masters = list(leaves)  # (non-array leaves, static to jit, pass as they are)
+        for i, m in zip(arrays, _masters(tuple(leaves[i] for i in arrays),
+                                         tuple(beside[i] for i in arrays), storage)):
+            masters[i] = m
         grads = jax.tree_util.tree_map(lambda g: g.astype(_F32) if _is_float(g) else g,
                                        updates)
         inner_updates, inner_state = inner.update(
@@ -212,21 +248,14 @@ def param_storage(inner: optax.GradientTransformationExtraArgs, storage: str,
         # to half params, so there they are in the param's dtype (see the module doc).
         exact = (jax.config.jax_numpy_dtype_promotion  # pyright: ignore[reportAttributeAccessIssue]  # jax sets its options as attributes at run time
                  != "strict")
-        out, new_beside = [], []
-        for p, u, e in zip(leaves, treedef.flatten_up_to(inner_updates), beside):
-            if not _is_half(p):
-                out.append(u.astype(p.dtype) if _is_float(p) else u)
-                new_beside.append(e)
-                continue
-            u = u.astype(_F32)
-            if storage == "remainder":
-                d, e = _remainder_step(p, e, u, exact)
-            elif storage == "kahan":
-                d, e = _kahan_step(p, e, u, exact)
-            else:
-                d = _stochastic_step(p, u, state.seed, state.step, exact)
-            out.append(d)
-            new_beside.append(e)
+        inner_leaves = treedef.flatten_up_to(inner_updates)
+        seed_, step_ = ((state.seed, state.step) if storage == "stochastic"
+                        else (jnp.zeros((), jnp.uint32), jnp.zeros((), jnp.uint32)))
+        out, new_beside = list(inner_leaves), list(beside)
+        done = _steps(tuple(leaves[i] for i in arrays), tuple(inner_leaves[i] for i in arrays),
+                      tuple(beside[i] for i in arrays), storage, seed_, step_, exact)
+        for i, d, e in zip(arrays, *done):
+            out[i], new_beside[i] = d, e
         updates = treedef.unflatten(out)
         if storage == "stochastic":
             return updates, StochasticRoundingState(

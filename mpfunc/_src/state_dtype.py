@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -67,38 +68,56 @@ def encode_state(tree: Any, name: str, seed: jax.Array, step: jax.Array,
     """A float32 optimizer state -> (``tree`` stored in state dtype ``name``, the block
     scales' tree or None), as `state_dtype` stores it: each floating leaf of at least one
     dimension rounded to nearest, or stochastically with the bits of (``seed``, stream
-    ``1 + k`` for the ``k``-th stored leaf, ``step``)."""
+    ``1 + k`` for the ``k``-th stored leaf, ``step``). The stored leaves go through one
+    jitted function (eagerly: one compile for the whole state, not one per op and leaf)."""
     block = name in BLOCK_STATE_DTYPES
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    out, scales, k = [], [], 0
-    for x in leaves:
-        if not _stored(x):
-            out.append(x)
-            scales.append(None)
-            continue
-        x = jnp.asarray(x).astype(_F32)
+    at = [i for i, x in enumerate(leaves) if _stored(x)]
+    coded, coded_scales = _encode_leaves(tuple(jnp.asarray(leaves[i]) for i in at), name,
+                                         jnp.asarray(seed), jnp.asarray(step), stochastic)
+    out, scales = list(leaves), [None] * len(leaves)
+    for i, x, sc in zip(at, coded, coded_scales):
+        out[i], scales[i] = x, sc
+    return treedef.unflatten(out), treedef.unflatten(scales) if block else None
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _encode_leaves(xs: tuple, name: str, seed: jax.Array, step: jax.Array,
+                   stochastic: bool) -> tuple[tuple, tuple]:
+    out, scales = [], []
+    for k, x in enumerate(xs):
+        x = x.astype(_F32)
         rand = random_bits(seed, 1 + k, step, x.shape) if stochastic else None
-        k += 1
         scale = None
-        if block:
+        if name in BLOCK_STATE_DTYPES:
             x, scale = quantize_state_8bit(x, name, rand)
         elif name == "bfloat16":
             x = bf16_from_pattern(rne_bf16_pattern(x) if rand is None
                                   else sr_bf16_pattern(x, rand))
         out.append(x)
         scales.append(scale)
-    return treedef.unflatten(out), treedef.unflatten(scales) if block else None
+    return tuple(out), tuple(scales)
 
 
 def decode_state(tree: Any, scales: Any) -> Any:
     """A stored state (`encode_state`'s pair) -> float32, exactly for 16-bit state,
-    dequantised for 8-bit codes (``scales`` not None)."""
+    dequantised for 8-bit codes (``scales`` not None); the stored leaves through one
+    jitted function, as `encode_state`'s."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     per_leaf = ([None] * len(leaves) if scales is None else treedef.flatten_up_to(scales))
-    return treedef.unflatten([
-        dequantize_state_8bit(x, s) if s is not None
-        else x.astype(_F32) if _stored(x) else x
-        for x, s in zip(leaves, per_leaf)])
+    at = [i for i, x in enumerate(leaves) if _stored(x)]
+    wide = _decode_leaves(tuple(jnp.asarray(leaves[i]) for i in at),
+                          tuple(per_leaf[i] for i in at))
+    out = list(leaves)
+    for i, x in zip(at, wide):
+        out[i] = x
+    return treedef.unflatten(out)
+
+
+@jax.jit
+def _decode_leaves(xs: tuple, scales: tuple) -> tuple:
+    return tuple(x.astype(_F32) if s is None else dequantize_state_8bit(x, s)
+                 for x, s in zip(xs, scales))
 
 
 def state_dtype(
