@@ -13,6 +13,7 @@ import numpy as np
 import optax
 
 from _mpfunc_common.storage import check_master_storage, check_seed
+from mpfunc._src.eager_jit import jit_when_eager
 from mpfunc._src.param_storage import param_storage
 from mpfunc._src.scale_rule import as_transformation
 
@@ -172,13 +173,13 @@ def master_weights(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@jax.jit
+@jit_when_eager
 def _copies_f32(xs: tuple) -> tuple:
     """float32 copies (new buffers: a jitted function's outputs are its own)."""
     return tuple(x.astype(jnp.float32) for x in xs)
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
+@functools.partial(jit_when_eager, static_argnums=(3,))
 def _emit_all(params: tuple, updates: tuple, masters: tuple, exact: bool) -> tuple:
     """(emitted updates, new masters) of the array leaves: the new master is the old one
     plus the inner update (``optax.apply_updates``); a half param's update lands it on

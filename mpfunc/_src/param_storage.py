@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 from _mpfunc_common.storage import check_param_dtype
+from mpfunc._src.eager_jit import jit_when_eager
 from mpfunc._src.rounding import (
     bf16_from_pattern,
     join_remainder,
@@ -163,7 +164,7 @@ def _stochastic_step(p, u, seed, step, exact):
     return _emit(pf, jax.lax.bitcast_convert_type(target, _F32), jnp.bfloat16, exact)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
+@functools.partial(jit_when_eager, static_argnums=(2,))
 def _masters(leaves: tuple, beside: tuple, storage: str) -> tuple:
     """The exact (float32) values of the half leaves (`param_storage`'s update)."""
     out = []
@@ -179,7 +180,7 @@ def _masters(leaves: tuple, beside: tuple, storage: str) -> tuple:
     return tuple(out)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 6))
+@functools.partial(jit_when_eager, static_argnums=(3, 6))
 def _steps(leaves: tuple, inner_updates: tuple, beside: tuple, storage: str, seed: jax.Array,
            step: jax.Array, exact: bool) -> tuple[tuple, tuple]:
     """(updates to emit, new remainders / compensation) of every leaf."""

@@ -16,6 +16,7 @@ from _mpfunc_common.storage import (
     check_state_dtype,
     check_state_rounding,
 )
+from mpfunc._src.eager_jit import jit_when_eager
 from mpfunc._src.rounding import (
     bf16_from_pattern,
     dequantize_state_8bit,
@@ -81,7 +82,7 @@ def encode_state(tree: Any, name: str, seed: jax.Array, step: jax.Array,
     return treedef.unflatten(out), treedef.unflatten(scales) if block else None
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4))
+@functools.partial(jit_when_eager, static_argnums=(1, 4))
 def _encode_leaves(xs: tuple, name: str, seed: jax.Array, step: jax.Array,
                    stochastic: bool) -> tuple[tuple, tuple]:
     out, scales = [], []
@@ -114,7 +115,7 @@ def decode_state(tree: Any, scales: Any) -> Any:
     return treedef.unflatten(out)
 
 
-@jax.jit
+@jit_when_eager
 def _decode_leaves(xs: tuple, scales: tuple) -> tuple:
     return tuple(x.astype(_F32) if s is None else dequantize_state_8bit(x, s)
                  for x, s in zip(xs, scales))
