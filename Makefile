@@ -64,7 +64,8 @@ typecheck: $(STAMP)
 # The version matrix: a named subset of the default suite that imports every module
 # (the doctests of all three packages) and exercises what moves between releases:
 # torch's private ops, every torch mode, the scaler, the optimizer, torch.compile, fp8
-# (Triton), checkpoints, both trainers, the README's blocks and the install checks.
+# (Triton), checkpoints, both trainers, the README's blocks, the install checks, and the
+# fused Adam kernel taken over for stored params (storage_kernels).
 # The whole default suite would not fit CI's budget twice more (it takes 12-17 min).
 MATRIX_TESTS ?= mpfunc mpfunc_torch _mpfunc_common tests/test_public_api.py \
 	tests/test_install.py tests/test_optimize_flag.py tests/test_torch_private_ops.py \
@@ -72,7 +73,7 @@ MATRIX_TESTS ?= mpfunc mpfunc_torch _mpfunc_common tests/test_public_api.py \
 	tests/test_torch_optimizer.py tests/test_torch_compile.py tests/test_hf_trainer.py \
 	tests/test_lightning_plugin.py tests/test_hf_transformers.py tests/test_readme.py \
 	tests/test_fp8_torch.py tests/test_fp8_fused.py tests/test_torch_checkpoint.py \
-	tests/test_torch_resume.py
+	tests/test_torch_resume.py tests/test_torch_storage_kernels.py
 # On torch 2.11 (the oldest) a compiled step differs from eager (see
 # docs/known-limits.md), so test-oldest leaves the torch.compile tests out.
 OLDEST_TESTS ?= $(filter-out tests/test_torch_compile.py,$(MATRIX_TESTS))

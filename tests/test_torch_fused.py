@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mpfunc_torch._src import fused
+from mpfunc_torch._src import fused, fused_sgd
 
 
 def test_unscale_and_check_groups_by_dtype_and_accumulates():
@@ -100,11 +100,11 @@ def test_clip_grads_matches_torch_and_handles_sparse_values():
 def test_fused_sgd_first_step_pending_follows_the_momentum_buffers():
     p = torch.nn.Parameter(torch.ones(3))
     sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
-    assert fused.is_fused_sgd_with_momentum(sgd) and fused.fused_sgd_first_step_pending(sgd)
+    assert fused_sgd.is_fused_sgd_with_momentum(sgd) and fused_sgd.fused_sgd_first_step_pending(sgd)
     p.grad = torch.ones(3)
     fused.step_with_found_inf_(sgd, None, torch.zeros(()))
-    assert not fused.fused_sgd_first_step_pending(sgd)
-    assert not fused.is_fused_sgd_with_momentum(torch.optim.SGD([p], lr=0.1, momentum=0.9))
+    assert not fused_sgd.fused_sgd_first_step_pending(sgd)
+    assert not fused_sgd.is_fused_sgd_with_momentum(torch.optim.SGD([p], lr=0.1, momentum=0.9))
 
 
 def _late_setup(**kw):
@@ -122,13 +122,13 @@ def test_late_momentum_buffer_steps_as_torchs_first_step(kw):
     # (a TypeError); started at zero, the kernel's momentum * 0 + grad is torch's
     # first-step buffer, bit for bit.
     early, late, sgd = _late_setup(**kw)
-    assert not fused.start_late_momentum_buffers_(sgd)  # `late` has no grad: not yet
+    assert not fused_sgd.start_late_momentum_buffers_(sgd)  # `late` has no grad: not yet
     assert "momentum_buffer" not in sgd.state[late]
     late.grad = torch.randn(3)
     ref = torch.nn.Parameter(late.detach().clone())
     ref.grad = late.grad.clone()
     ref_sgd = torch.optim.SGD([ref], lr=0.1, momentum=0.9, fused=True, **kw)
-    assert fused.start_late_momentum_buffers_(sgd)  # every param has a buffer now
+    assert fused_sgd.start_late_momentum_buffers_(sgd)  # every param has a buffer now
     assert torch.equal(sgd.state[late]["momentum_buffer"], torch.zeros(3))
     early.grad = torch.randn(4)
     sgd.step()
@@ -141,7 +141,7 @@ def test_late_momentum_buffer_with_dampening_is_refused():
     _, late, sgd = _late_setup(dampening=0.1)
     late.grad = torch.randn(3)
     with pytest.raises(ValueError, match=r"param group 0 .* dampening=0.1 .*foreach=True"):
-        fused.start_late_momentum_buffers_(sgd)
+        fused_sgd.start_late_momentum_buffers_(sgd)
     assert "momentum_buffer" not in sgd.state[late]
 
 

@@ -8,7 +8,7 @@ import torch
 from torch_task import ALL_MODES, batches, fp32_losses, ids, is_o3, make_model, train
 
 import mpfunc_torch
-from mpfunc_torch._src import fused
+from mpfunc_torch._src import fused_sgd
 
 
 @pytest.mark.parametrize("mode, cfg", ALL_MODES, ids=ids)
@@ -74,7 +74,7 @@ def test_o3_refuses_cpu_fused_sgd_exactly_where_torch_does_not_update_half_param
     # elements of a half param; 2.14 fixed it.
     fixed = _torch_version() >= (2, 14)
     assert _fused_sgd_moves_half_params(dtype) == fixed
-    assert fused.fused_cpu_sgd_updates_half(dtype) == fixed
+    assert fused_sgd.fused_cpu_sgd_updates_half(dtype) == fixed
     kwargs = {"mode": "apex", "opt_level": "O3", "cast_model_type": dtype, "verbosity": 0}
     net = make_model()
     sgd = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)

@@ -116,14 +116,15 @@ def test_eager_runs_a_method_outside_dynamo_so_its_writes_are_kept():
 
 def test_fused_adam_and_adamw_call_the_kernels_taken_over_through_a_dispatch_mode():
     # storage_kernels relies on: torch.optim.Adam/AdamW(fused=True) calling one of
-    # ADAM_KERNELS per step, with the params themselves (not copies) in its first list and
-    # the state tensors as stored (a bfloat16 moment beside float32 params reaches it).
+    # ADAM_KERNELS per step, with the params and state tensors themselves (not copies) in
+    # its lists, after counting the step; and on the probe of whether a 16-bit state
+    # beside float32 params reaches the kernel (2.13: yes; 2.11 refuses it before).
     seen = []
 
     class Record(fused.DispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in fused.ADAM_KERNELS:
-                seen.append((func, args[0], [t.dtype for t in args[2]], dict(kwargs or {})))
+                seen.append((func, args[0], args[2], dict(kwargs or {})))
                 return None  # not stepped: the caller's to do
             return func(*args, **(kwargs or {}))
 
@@ -132,14 +133,23 @@ def test_fused_adam_and_adamw_call_the_kernels_taken_over_through_a_dispatch_mod
         opt = cls([p], lr=lr, fused=True)
         p.grad = torch.ones(3)
         opt.step()  # makes the state
-        opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].bfloat16()
         seen.clear()
         with Record():
             opt.step()
-        [(func, params, dtypes, kwargs)] = seen
-        assert params[0] is p and dtypes == [torch.bfloat16]
+        [(func, params, avgs, kwargs)] = seen
+        assert params[0] is p and avgs[0] is opt.state[p]["exp_avg"]
         assert {"beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize"} <= set(kwargs)
         assert opt.state[p]["step"].item() == 2  # torch counts the step before the kernel
+        opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].bfloat16()
+        seen.clear()
+        try:
+            with Record():
+                opt.step()
+            reached = seen[0][2][0].dtype == torch.bfloat16
+        except RuntimeError as e:
+            assert "same dtype" in str(e)
+            reached = False
+        assert fused.fused_adam_takes_state_of_another_dtype() == reached
     assert not fused.has_step_hooks(opt)
     handle = opt.register_step_pre_hook(lambda *a: None)
     assert fused.has_step_hooks(opt)

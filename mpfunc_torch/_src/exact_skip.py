@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mpfunc_torch._src import fused
+from mpfunc_torch._src import fused, fused_sgd
 from mpfunc_torch._src.chunked_step import (
     ChunkedStep,
     finish_chunked_step_,
@@ -76,7 +76,7 @@ def take_or_drop_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
       pairs: ``(model param, float32 master)`` pairs; empty without master weights.
       in_kernel: the optimizer is fused: its kernel takes ``found_inf`` and decides
         (no host read).
-      host_skip: decide on the host even so (see `fused.fused_sgd_first_step_pending`).
+      host_skip: decide on the host even so (see `fused_sgd.fused_sgd_first_step_pending`).
       chunked: the `prepare_chunked_step_` result, for a step made chunk by chunk.
       on_skip: called (with nothing) where the host read that the step is skipped,
         before any gradient is released.
@@ -109,12 +109,12 @@ def exact_step_(opt, scaled: bool) -> torch.Tensor:
     gradients still hold the loss scale), clip and count as its plan says, then step or
     skip. Returns ``found_inf``, the reduced flag (0 where the step was taken)."""
     scaler = opt._scalers[0]
-    # torch's fused SGD bug (see fused.fused_sgd_first_step_pending): until the
+    # torch's fused SGD bug (see fused_sgd.fused_sgd_first_step_pending): until the
     # momentum buffers exist, skips are decided on the host.
     host_skip = opt._sgd_first = (
-        opt._sgd_first and fused.fused_sgd_first_step_pending(opt.optimizer))
+        opt._sgd_first and fused_sgd.fused_sgd_first_step_pending(opt.optimizer))
     if opt._sgd_late:  # and its params that get their first grads late
-        opt._sgd_late = not fused.start_late_momentum_buffers_(opt.optimizer, {
+        opt._sgd_late = not fused_sgd.start_late_momentum_buffers_(opt.optimizer, {
             id(q) for q, src in zip(opt._owned, opt._sources)
             if q.grad is not None or src.grad is not None})
     found = opt._found_inf

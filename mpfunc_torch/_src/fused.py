@@ -37,17 +37,14 @@ __all__ = [
     "ADAM_KERNELS",
     "DispatchMode",
     "has_step_hooks",
+    "fused_adam_takes_state_of_another_dtype",
     "eager",
     "compiled_inner",
-    "fused_cpu_sgd_updates_half",
     "unscale_and_check_",
     "nonfinite_flags_",
     "update_scale_",
     "clip_grads_",
     "step_with_found_inf_",
-    "is_fused_sgd_with_momentum",
-    "fused_sgd_first_step_pending",
-    "start_late_momentum_buffers_",
     "scaled_mm",
     "scaled_mm_available",
     "scaled_mm_fits",
@@ -79,27 +76,6 @@ def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
 def _check_and_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor,
                         inv_scale: torch.Tensor) -> None:
     torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)  # pyright: ignore[reportPrivateImportUsage]  # torch's foreach kernel, as torch.optim uses it; not re-exported
-
-
-_SGD_HALF_CPU: dict[torch.dtype, bool] = {}
-
-
-def fused_cpu_sgd_updates_half(dtype: torch.dtype) -> bool:
-    """Whether torch's fused SGD on CPU updates every element of a ``dtype`` param.
-
-    torch 2.11-2.13's kernel does not (a 1000-element float16 or bfloat16 param moved
-    only in its last 8 elements); 2.14's does. Asked of the installed torch once per
-    dtype: one step of a 1000-element param, compared with the for-loop SGD's.
-    """
-    if dtype not in _SGD_HALF_CPU:
-        moved = []
-        for fused in (True, False):
-            p = torch.nn.Parameter(torch.ones(1000, dtype=dtype))
-            p.grad = torch.full_like(p, 0.125)
-            torch.optim.SGD([p], lr=0.5, fused=fused, foreach=None if fused else False).step()
-            moved.append(p.detach())
-        _SGD_HALF_CPU[dtype] = bool(torch.equal(*moved))
-    return _SGD_HALF_CPU[dtype]
 
 
 def _dense(t: torch.Tensor, real: bool) -> torch.Tensor:
@@ -213,74 +189,6 @@ def clip_grads_(grads: Iterable[torch.Tensor], max_norm: float,
     return total
 
 
-def is_fused_sgd_with_momentum(optimizer: torch.optim.Optimizer) -> bool:
-    return (isinstance(optimizer, torch.optim.SGD) and bool(optimizer.defaults.get("fused"))
-            and any(g["momentum"] != 0 for g in optimizer.param_groups))
-
-
-def fused_sgd_first_step_pending(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a momentum group of a fused SGD has no momentum buffers yet.
-
-    torch's fused SGD (2.13) allocates the buffers with ``empty_like`` on its first step
-    and lets the kernel fill them; when that step is skipped (``found_inf``) they stay
-    uninitialised, yet exist, so the next step uses garbage as momentum. Until this
-    returns False a skip must be decided before calling the optimizer.
-    """
-    state = optimizer.state
-    return any(
-        g["momentum"] != 0 and all(state.get(p, {}).get("momentum_buffer") is None
-                                   for p in g["params"])
-        for g in optimizer.param_groups)
-
-
-def start_late_momentum_buffers_(optimizer: torch.optim.Optimizer,
-                                 stepped: set[int] | None = None) -> bool:
-    """Makes the momentum buffer of each param that first gets a gradient after others
-    in its group have theirs (a branch used late, a layer unfrozen, an expert routed to
-    for the first time); returns whether every param of a momentum group has one now.
-
-    torch's fused SGD (2.13) passes such a param's missing buffer to its kernel as None
-    and fails with ``TypeError: expected Tensor as element i``. Its for-loop and
-    foreach paths start the buffer as the gradient itself (``buf = grad``); the fused
-    kernel, from a zero buffer, computes ``momentum * 0 + (1 - dampening) * grad``, the
-    same value when ``dampening`` is 0. So the buffer starts as zeros here, and a step
-    that is then skipped leaves it zero (which is how torch would start it anyway).
-
-    Args:
-      optimizer: a fused SGD.
-      stepped: ids of the params this step updates (default: those with a ``.grad``);
-        master params get their gradients only later, in a chunked step.
-
-    Raises:
-      ValueError: such a param in a group with ``dampening != 0``, where no start value
-        gives torch's ``buf = grad``.
-    """
-    done = True
-    for i, group in enumerate(optimizer.param_groups):
-        if group["momentum"] == 0:
-            continue
-        state = [optimizer.state.get(p, {}).get("momentum_buffer") for p in group["params"]]
-        if all(b is None for b in state):  # torch's own first step makes them all
-            done = done and not group["params"]
-            continue
-        for p, buf in zip(group["params"], state):
-            if buf is not None:
-                continue
-            if (p.grad is None) if stepped is None else (id(p) not in stepped):
-                done = False
-                continue
-            if group["dampening"] != 0:
-                raise ValueError(
-                    f"param group {i} of the fused SGD has dampening="
-                    f"{group['dampening']!r} and a param that gets its first gradient "
-                    "after the others have momentum buffers: torch's fused SGD cannot "
-                    "step it (its kernel gets None), and with dampening no zero start "
-                    "gives torch's buf = grad. Use SGD(foreach=True), or dampening=0.")
-            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(
-                p, memory_format=torch.preserve_format)
-    return done
-
-
 def step_with_found_inf_(optimizer: torch.optim.Optimizer, grad_scale, found_inf) -> None:
     """One step of a fused optimizer (``_step_supports_amp_scaling``) that unscales by
     ``grad_scale`` (None: already unscaled) and skips where ``found_inf`` is 1, undoing
@@ -308,6 +216,33 @@ def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
                 or _optimizer_module._global_optimizer_pre_hooks
                 or _optimizer_module._global_optimizer_post_hooks)
+
+
+_MIXED_STATE: list[bool] = []
+
+
+def fused_adam_takes_state_of_another_dtype() -> bool:
+    """Whether the installed torch's ``Adam(fused=True).step`` hands its kernel state
+    tensors of another dtype than their params (2.13 does; 2.11 refuses them before the
+    kernel: "Tensors of the same index must be on the same device and the same dtype").
+    Asked once, on a one-element step whose kernel call is swallowed."""
+    if not _MIXED_STATE:
+        class Swallow(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return None if func in ADAM_KERNELS else func(*args, **(kwargs or {}))
+
+        p = torch.nn.Parameter(torch.zeros(1))
+        p.grad = torch.zeros(1)
+        opt = torch.optim.Adam([p], fused=True)
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(1, dtype=torch.bfloat16),
+                        "exp_avg_sq": torch.zeros(1, dtype=torch.bfloat16)}
+        try:
+            with Swallow():
+                opt.step()
+            _MIXED_STATE.append(True)
+        except RuntimeError:
+            _MIXED_STATE.append(False)
+    return _MIXED_STATE[0]
 
 
 # ------------------------------------------------------------------ torch._scaled_mm

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from _mpfunc_common.amp_config import AmpPlan
-from mpfunc_torch._src import fused
+from mpfunc_torch._src import fused, fused_sgd
 from mpfunc_torch._src.checkpoint import optimizer_state
 from mpfunc_torch._src.clipping import (
     clip_grads_with_norm_,
@@ -152,7 +152,7 @@ class AmpOptimizer(OptimizerMetrics, WrappedOptimizer):
         self._owned: list[torch.Tensor] = [
             q for g in self.optimizer.param_groups for q in g["params"]]
         self._sources = [source_of.get(id(q), q) for q in self._owned]
-        self._sgd_first = self._sgd_late = fused.is_fused_sgd_with_momentum(self.optimizer)
+        self._sgd_first = self._sgd_late = fused_sgd.is_fused_sgd_with_momentum(self.optimizer)
 
     # -- the torch optimizer interface (the rest is WrappedOptimizer's) --------------------
     @_eager

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mpfunc_torch._src import fused
+from mpfunc_torch._src import fused_sgd
 from mpfunc_torch._src.model import HALF
 
 __all__ = ["check_optimizer_params", "refuse_broken_fused_sgd", "refuse_vanishing_eps"]
@@ -29,7 +29,7 @@ def refuse_broken_fused_sgd(optimizers, stepped) -> None:
     """torch 2.11-2.13's fused SGD on CPU leaves float16/bfloat16 params unchanged but
     for their last elements (2.14 fixed it). A half-precision mode would then train
     nothing, silently, so that combination is refused where the installed torch has the
-    bug (`fused.fused_cpu_sgd_updates_half` asks it).
+    bug (`fused_sgd.fused_cpu_sgd_updates_half` asks it).
     ``stepped``: id(param) -> the dtype the optimizer steps it in."""
     for opt in optimizers:
         if not (isinstance(opt, torch.optim.SGD) and opt.defaults.get("fused")):
@@ -38,7 +38,7 @@ def refuse_broken_fused_sgd(optimizers, stepped) -> None:
             for p in g["params"]:
                 dtype = stepped[id(p)]
                 if dtype in HALF and p.device.type == "cpu" and \
-                        not fused.fused_cpu_sgd_updates_half(dtype):
+                        not fused_sgd.fused_cpu_sgd_updates_half(dtype):
                     raise ValueError(
                         f"`optimizer` is SGD(fused=True) stepping {dtype} params on CPU, "
                         f"which torch {torch.__version__}'s fused CPU SGD kernel does not "

@@ -27,8 +27,11 @@ It applies (`takes_over`) when the inner optimizer is exactly ``torch.optim.Adam
 have no float32 value), its ``step`` is its own (or an LR scheduler's wrapper of it),
 and each param to step has a dense float32 gradient, its state made (the first step,
 which makes it from the param, takes the generic path) and in float32, bfloat16 or
-float16 (8-bit state takes the generic path), and a contiguous run of the whole
-tensor's positions (a DTensor sharded along its first dimension, or none).
+float16 (8-bit state takes the generic path), and a contiguous run of the whole tensor's
+positions (a DTensor sharded along its first dimension, or none). Where the installed
+torch refuses state of another dtype than its params before the kernel (2.11 does:
+`fused.fused_adam_takes_state_of_another_dtype`), 16-bit state tensors are float32
+stand-ins during the step, and a DTensor's 16-bit state takes the generic path.
 `LowPrecision.kernel_path` says which path the last step took.
 
 An exception inside the kernel call (none is expected once the checks pass: they all
@@ -103,6 +106,7 @@ class StorageKernels:
     def __init__(self, optimizer: torch.optim.Optimizer, storage: MasterStorage | None,
                  state: StateDtype | None):
         self.optimizer, self.storage, self.state = optimizer, storage, state
+        self._stand_ins: dict[int, torch.Tensor] = {}  # during a step, see step_
         self._at = {} if storage is None else {id(w): i for i, (_, w) in
                                                enumerate(storage.pairs)}
 
@@ -130,6 +134,9 @@ class StorageKernels:
                     return False
                 if value.dtype not in (_F32, *_SMALL) or not local(value).is_contiguous():
                     return False
+                if (value.dtype != _F32 and is_dtensor(value)
+                        and not fused.fused_adam_takes_state_of_another_dtype()):
+                    return False  # (no float32 stand-in is made for a DTensor: see step_)
                 if _run_start(value) is None:
                     return False
         return True
@@ -137,9 +144,29 @@ class StorageKernels:
     def step_(self, inner: Any, params: Sequence[torch.Tensor], step: int) -> None:
         """Runs ``inner`` (the inner optimizer's step) with its fused kernel taken over
         for ``params``; ``step``: the step number of the random bits."""
-        mode = _TakeOver(self, {id(q) for q in params}, step)
-        with mode:
-            inner()
+        # Where torch refuses state of another dtype than its params before the kernel
+        # (2.11), the 16-bit state tensors are float32 stand-ins for the step (4 bytes
+        # each, like the params' placeholders); the kernel call maps them back.
+        swapped: list[tuple[dict, str, torch.Tensor]] = []
+        self._stand_ins: dict[int, torch.Tensor] = {}
+        if not fused.fused_adam_takes_state_of_another_dtype():
+            for q in params:
+                st = self.optimizer.state[q]
+                for key in _STATE_KEYS:
+                    t = st.get(key)
+                    if isinstance(t, torch.Tensor) and t.dtype != _F32:
+                        stand_in = torch.full((1,), float("nan"), device=t.device).expand(t.shape)
+                        self._stand_ins[id(stand_in)] = t
+                        swapped.append((st, key, t))
+                        st[key] = stand_in
+        mode = _TakeOver(self, {id(q) for q in params} | set(self._stand_ins), step)
+        try:
+            with mode:
+                inner()
+        finally:
+            for st, key, t in swapped:
+                st[key] = t
+            self._stand_ins = {}
         if mode.done != len(params):
             raise RuntimeError(f"the fused Adam step reached {mode.done} of {len(params)} "
                                "params with a gradient, so the others' stored values were "
@@ -186,7 +213,8 @@ class StorageKernels:
             if id(q) not in owned:
                 rest.append(j)
                 continue
-            states = [avgs[j], sqs[j]] + ([maxs[j]] if amsgrad else [])
+            given: list[torch.Tensor] = [avgs[j], sqs[j]] + ([maxs[j]] if amsgrad else [])
+            states = [self._stand_ins.get(id(t), t) for t in given]
             plans.append((self._plan(q, grads[j], states, step), counts[j]))
         if rest:  # params outside this step's set: stepped as torch would
             kernel(*[[a[j] for j in rest] if a else [] for a in lists], **kwargs)
