@@ -578,3 +578,43 @@ def test_updates_need_params_of_their_structure():
         mpfunc.precision_report(params, updates=params)
     with pytest.raises(ValueError, match=r"`updates` do not match `params`.*\['v'\]"):
         mpfunc.precision_report(params, params=params, updates={"v": jnp.ones(2)})
+
+
+def test_an_eager_report_is_one_program_and_a_traced_one_inlines():
+    # Outside jit, every op on every leaf compiled a program of its own: 138 compiles and
+    # 5.2 s for the first report of 8 leaves of new shapes (measured, with `updates=`).
+    # Now the device work is one program for the columns and one for the updates.
+    compiles = []
+
+    def count(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kw.get("fun_name"))
+
+    shapes = [(3, 9), (5, 9), (7, 9), (11, 9), (13, 9), (17, 9)]  # new to this test file
+    grads = {f"l{i}": jnp.linspace(-1e-7, 2.0, math.prod(s), dtype=jnp.float32).reshape(s)
+             for i, s in enumerate(shapes)}
+    grads["l0"] = grads["l0"].at[0, 0].set(jnp.inf)
+    params = {k: jnp.ones(v.shape, jnp.bfloat16) for k, v in grads.items()}
+    updates = jax.tree.map(lambda g: g * 1e-3, grads)
+    jax.block_until_ready((grads, params, updates))
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        eager = mpfunc.precision_report(grads, loss_scale=1024.0, params=params,
+                                        updates=updates)
+        jax.block_until_ready(eager)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    ours = [n for n in compiles if "eager_" in str(n)]
+    assert len(ours) == 2 and len(compiles) <= 4, compiles
+
+    def report(g, p, u):
+        return mpfunc.precision_report(g, loss_scale=1024.0, params=p, updates=u)
+
+    jaxpr = jax.make_jaxpr(report)(grads, params, updates)
+    assert "eager_" not in str(jaxpr)
+    traced = jax.jit(report)(grads, params, updates)
+    assert eager.rows() == traced.rows()
+    assert eager.rows()[0]["nonfinite"] and not eager.rows()[1]["nonfinite"]
+    for row, (name, g) in zip(eager.rows(), grads.items()):
+        ref = reference_row(f"['{name}']", g, 1024.0, "float16")
+        assert {k: row[k] for k in ref} == pytest.approx(ref), name

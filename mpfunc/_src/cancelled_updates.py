@@ -53,13 +53,20 @@ def _counts(p: Any, u: Any) -> jax.Array:
     return jnp.stack([jnp.sum(nonzero, dtype=_I32), jnp.sum(cancelled, dtype=_I32)])
 
 
-def update_counts(params: Any, updates: Any, paths: tuple[str, ...]) -> list:
+def update_pairs(params: Any, updates: Any, paths: tuple[str, ...]) -> tuple:
     """Per path of ``paths`` (the report's floating gradient leaves, in order), the
-    ``(updated, cancelled)`` int32 pair of its param and update, as a 1-tuple for the
-    report's shard reduction. ``params`` and ``updates`` have one structure
-    (`check_like`)."""
+    ``(param, update)`` pair, or None where either is not floating (no update to speak
+    of). ``params`` and ``updates`` have one structure (`check_like`). Chosen outside
+    any ``jit``, where a Python number is not yet a traced float."""
     flat_p = {jax.tree_util.keystr(k): x
               for k, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     flat_u = {jax.tree_util.keystr(k): x
               for k, x in jax.tree_util.tree_flatten_with_path(updates)[0]}
-    return [(_counts(flat_p[k], flat_u[k]),) for k in paths]
+    return tuple((flat_p[k], flat_u[k]) if _is_float(flat_p[k]) and _is_float(flat_u[k])
+                 else None for k in paths)
+
+
+def update_counts(pairs: tuple) -> list:
+    """The ``(updated, cancelled)`` int32 pair of each of ``pairs`` (`update_pairs`), as
+    a 1-tuple for the report's shard reduction."""
+    return [(_counts(*pair) if pair is not None else _counts(None, None),) for pair in pairs]

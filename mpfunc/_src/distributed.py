@@ -17,7 +17,8 @@ import numpy as np
 from jax import lax
 
 __all__ = ["AxisName", "all_finite", "check_axis_name", "finite_and_flags",
-           "finite_from_count", "nonfinite_count", "nonfinite_leaf_flags", "unbound_axis_error"]
+           "finite_from_count", "nonfinite_count", "nonfinite_leaf_flags", "reduce_leaf_stats",
+           "unbound_axis_error"]
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -275,3 +276,40 @@ def finite_and_flags(tree: Any, axis_name: AxisName = None, *,
             f"to skip, and one would step while another does not. Pass axis_name={names!r} "
             "(to dynamic_scale / static_scale / no_scale, value_and_grad or all_finite).")
     return finite_from_count(jnp.sum(flags, dtype=jnp.int32)), flags > 0
+
+
+def reduce_leaf_stats(values: list, axis_name: AxisName, ops: tuple) -> list:
+    """Each of ``values`` (one array per leaf) reduced over the axes of ``axis_name`` it
+    varies over, with ``ops[k]`` (``lax.pmax`` / ``lax.psum``) for column block k; as
+    `mpfunc.all_finite` reduces its count. Leaves varying alike are reduced together
+    (`mpfunc.precision_report`'s columns)."""
+    by_axes: dict = {}
+    for i, v in enumerate(values):
+        by_axes.setdefault(_varying_axes(v[0]), []).append(i)
+    out = list(values)
+    axes = (() if axis_name is None else
+            tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,))
+    for varying, idx in by_axes.items():
+        if not axes:
+            if varying:
+                names = tuple(sorted(varying, key=str))
+                raise ValueError(
+                    f"Gradients vary over mesh axes {names} (inside shard_map) and no "
+                    f"`axis_name` was given: pass axis_name={names!r}, the axes the finite "
+                    "check reduces over, so that every shard reports the whole leaf.")
+            continue
+        if varying and (rest := varying - set(axes)):
+            raise ValueError(
+                f"Gradients vary over {sorted(rest, key=str)}, mesh axes not in "
+                f"`axis_name` ({axis_name!r}); add them, as for the finite check.")
+        over = tuple(a for a in axes if a in varying) if varying else axes
+        stacked = [jnp.stack([values[i][k] for i in idx]) for k in range(len(ops))]
+        try:
+            reduced = [op(s, over) for op, s in zip(ops, stacked)]
+        except ValueError:  # typed invariant over every axis: the same on every shard
+            continue
+        except NameError as e:
+            raise unbound_axis_error(axis_name, e) from None
+        for j, i in enumerate(idx):
+            out[i] = tuple(r[j] for r in reduced)
+    return out

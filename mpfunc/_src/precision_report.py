@@ -30,13 +30,9 @@ from _mpfunc_common.precision_report import (
     leaf_rows,
     nonfinite_names,
 )
-from mpfunc._src.cancelled_updates import check_like, update_counts
-from mpfunc._src.distributed import (
-    AxisName,
-    _varying_axes,
-    check_axis_name,
-    unbound_axis_error,
-)
+from mpfunc._src.cancelled_updates import check_like, update_counts, update_pairs
+from mpfunc._src.distributed import AxisName, check_axis_name, reduce_leaf_stats
+from mpfunc._src.eager_jit import jit_when_eager
 from mpfunc._src.scale_state import _find_states
 from mpfunc._src.skip_record import _float_leaves, _host_flags
 
@@ -227,45 +223,28 @@ def _leaf_stats(x: jax.Array, threshold: jax.Array):
             jnp.stack([size - nonzeros, under, size]))
 
 
-def _reduce(values: list, axis_name: AxisName, ops: tuple) -> list:
-    """Each of ``values`` (one array per leaf) reduced over the axes of ``axis_name`` it
-    varies over, with ``ops[k]`` (``lax.pmax`` / ``lax.psum``) for column block k; as
-    `mpfunc.all_finite` reduces its count. Leaves varying alike are reduced together."""
-    by_axes: dict = {}
-    for i, v in enumerate(values):
-        by_axes.setdefault(_varying_axes(v[0]), []).append(i)
-    out = list(values)
-    axes = (() if axis_name is None else
-            tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,))
-    for varying, idx in by_axes.items():
-        if not axes:
-            if varying:
-                names = tuple(sorted(varying, key=str))
-                raise ValueError(
-                    f"Gradients vary over mesh axes {names} (inside shard_map) and no "
-                    f"`axis_name` was given: pass axis_name={names!r}, the axes the finite "
-                    "check reduces over, so that every shard reports the whole leaf.")
-            continue
-        if varying and (rest := varying - set(axes)):
-            raise ValueError(
-                f"Gradients vary over {sorted(rest, key=str)}, mesh axes not in "
-                f"`axis_name` ({axis_name!r}); add them, as for the finite check.")
-        over = tuple(a for a in axes if a in varying) if varying else axes
-        stacked = [jnp.stack([values[i][k] for i in idx]) for k in range(len(ops))]
-        try:
-            reduced = [op(s, over) for op, s in zip(ops, stacked)]
-        except ValueError:  # typed invariant over every axis: the same on every shard
-            continue
-        except NameError as e:
-            raise unbound_axis_error(axis_name, e) from None
-        for j, i in enumerate(idx):
-            out[i] = tuple(r[j] for r in reduced)
-    return out
+@functools.partial(jit_when_eager, static_argnums=(2, 3))
+def _grad_stats(leaves: tuple, scale: jax.Array, threshold: float, axis_name: AxisName):
+    """The report's per-leaf columns of ``leaves`` (nonfinite, amax, zeros, underflows,
+    sizes), reduced over ``axis_name``: one program of the whole tree where called
+    eagerly (not one per op and leaf shape)."""
+    stats = reduce_leaf_stats([_leaf_stats(x, _F32(threshold) / scale) for x in leaves],
+                              axis_name, (lax.pmax, lax.psum))
+    fl = jnp.stack([f for f, _ in stats]) if stats else jnp.zeros((0, 2), _F32)
+    counts = jnp.stack([c for _, c in stats]) if stats else jnp.zeros((0, 3), _I32)
+    return fl[:, 0] > 0, fl[:, 1], counts[:, 0], counts[:, 1], counts[:, 2]
+
+
+@functools.partial(jit_when_eager, static_argnums=(1,))
+def _update_stats(pairs: tuple, axis_name: AxisName) -> jax.Array:
+    """The report's ``[n, 2]`` int32 (updated, cancelled), reduced as `_grad_stats`."""
+    upd = reduce_leaf_stats(update_counts(pairs), axis_name, (lax.psum,))
+    return jnp.stack([c for (c,) in upd]) if upd else jnp.zeros((0, 2), _I32)
 
 
 def reduce_flags(flags: jax.Array, axis_name: AxisName) -> jax.Array:
     """A bool vector OR-ed over the axes of ``axis_name`` it varies over."""
-    (out,) = _reduce([(flags.astype(_F32),)], axis_name, (lax.pmax,))[0]
+    (out,) = reduce_leaf_stats([(flags.astype(_F32),)], axis_name, (lax.pmax,))[0]
     return out > 0
 
 
@@ -387,21 +366,14 @@ def precision_report(
         raise TypeError("`forward` must be the `.flags` of mpfunc.watch_nonfinite, got "
                         f"{type(forward).__name__}.")
     paths, leaves = _float_leaves(grads)
-    threshold = _F32(fmt.threshold) / scale
-    stats = _reduce([_leaf_stats(x, threshold) for x in leaves], axis_name,
-                    (lax.pmax, lax.psum))
-    if stats:
-        fl = jnp.stack([f for f, _ in stats])
-        counts = jnp.stack([c for _, c in stats])
-    else:
-        fl, counts = jnp.zeros((0, 2), _F32), jnp.zeros((0, 3), _I32)
+    nonfinite, amax, zeros, under, sizes = _grad_stats(tuple(leaves), scale, fmt.threshold,
+                                                       axis_name)
     if forward is not None:
         forward = NamedFlags(reduce_flags(forward.flags, axis_name), forward.names)
     upd = None
     if updates is not None:
-        upd = _reduce(update_counts(params, updates, paths), axis_name, (lax.psum,))
-        upd = jnp.stack([c for (c,) in upd]) if upd else jnp.zeros((0, 2), _I32)
+        upd = _update_stats(update_pairs(params, updates, paths), axis_name)
     return PrecisionReport(
-        nonfinite=fl[:, 0] > 0, amax=fl[:, 1], zeros=counts[:, 0], underflows=counts[:, 1],
-        sizes=counts[:, 2], loss_scale=scale, forward=forward, paths=paths, dtype=fmt.name,
+        nonfinite=nonfinite, amax=amax, zeros=zeros, underflows=under, sizes=sizes,
+        loss_scale=scale, forward=forward, paths=paths, dtype=fmt.name,
         update_counts=upd)
