@@ -32,7 +32,7 @@ STAMP := $(VENV)/.mpfunc-installed
 # a file between workers made both build them (test_readme.py: 69 -> 52 CPU seconds).
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: demo test test-slow test-durations lint typecheck docs gpu venv clean test-latest \
+.PHONY: demo test test-slow test-durations test-compiles lint typecheck docs gpu venv clean test-latest \
 	test-oldest test-wheel
 
 venv: $(STAMP)
@@ -53,6 +53,11 @@ test-slow: $(STAMP)
 
 test-durations: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow" -q --durations=30
+
+# Where the default suite's JAX compile time goes, cache off (tests/compile_profile.py).
+test-compiles: $(STAMP)
+	MPFUNC_TEST_JAX_CACHE=off MPFUNC_COMPILE_PROFILE=$(CURDIR)/.compile-profile \
+		$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow" -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

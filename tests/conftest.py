@@ -156,6 +156,11 @@ def pytest_configure(config):
     and ``as_text()`` as a fresh one, and jax's compile event (what the benchmarks'
     compile counter counts) fires for a load as for a compile, so no test reads a warm
     run differently."""
+    profile = os.environ.get("MPFUNC_COMPILE_PROFILE")
+    if profile and jax is not None:  # `make test-compiles`: see tests/compile_profile.py
+        from compile_profile import Plugin
+
+        config.pluginmanager.register(Plugin(profile), "mpfunc-compile-profile")
     setting = os.environ.get(CACHE_ENV, "")
     if jax is None or setting.lower() in ("0", "off", "false", "no") or config.getoption("cacheclear", False):
         return
