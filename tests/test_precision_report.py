@@ -396,6 +396,45 @@ def test_linen_names_the_first_module_whose_output_went_nonfinite():
     assert mpfunc.precision_report(grads).first_nonfinite_module is None
 
 
+def test_an_eager_watched_forward_compiles_one_flag_program_per_output_signature():
+    # Eagerly, each module output's flag compiled isfinite, all and not for its shape.
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(4):  # four Dense outputs of one signature
+                x = nn.Dense(6, name=f"d{i}")(x)
+            return x
+
+    x = jnp.ones((3, 6))
+    variables = Net().init(jax.random.key(0), x)
+    variables["params"]["d2"]["kernel"] = jnp.full((6, 6), jnp.nan)
+    compiles = []
+
+    def count(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(str(kw.get("fun_name")))
+
+    def forward(v):
+        with mpfunc.watch_nonfinite() as watch:
+            Net().apply(v, x)
+        return watch.flags
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        eager = forward(variables)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    flag_programs = [n for n in compiles if "any_nonfinite" in n]
+    assert len(flag_programs) == 1, compiles  # the (3, 6) outputs: one program for all
+    assert not {"jit(isfinite)", "jit(_reduce_all)"} & set(compiles), compiles  # op by op
+    assert "eager_" not in str(jax.make_jaxpr(forward)(variables))
+    traced = jax.jit(forward)(variables)
+    assert eager.names == traced.names == ("d0", "d1", "d2", "d3", "(root)")
+    assert eager.set_names() == traced.set_names() == ["d2", "d3", "(root)"]
+
+
 def test_nnx_names_the_first_module_and_restores_the_classes():
     from flax import nnx
 

@@ -19,18 +19,25 @@ import jax
 import jax.numpy as jnp
 
 from _mpfunc_common.extras import require_extra
+from mpfunc._src.eager_jit import jit_when_eager
 from mpfunc._src.precision_report import NamedFlags
 
 __all__ = ["NonfiniteWatch", "watch_nonfinite"]
 
 
+@jit_when_eager
+def _any_nonfinite(xs: tuple) -> jax.Array:
+    """Whether any of the arrays ``xs`` holds an inf or NaN: one program per output
+    signature where a forward runs eagerly (not one per op and shape)."""
+    flags = [jnp.logical_not(jnp.all(jnp.isfinite(x))) for x in xs]
+    return flags[0] if len(flags) == 1 else jnp.any(jnp.stack(flags))
+
+
 def _flag(out: Any) -> jax.Array | None:
     """Whether any floating array in ``out`` holds an inf or NaN (None if it has none)."""
-    flags = [jnp.logical_not(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(out)
-             if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)]
-    if not flags:
-        return None
-    return flags[0] if len(flags) == 1 else jnp.any(jnp.stack(flags))
+    xs = tuple(x for x in jax.tree_util.tree_leaves(out)
+               if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating))
+    return _any_nonfinite(xs) if xs else None
 
 
 def _trace_state():
