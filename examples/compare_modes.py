@@ -27,7 +27,7 @@ passes XLA options to every JAX compile (a preset of ``benchmarks/_jax_compiles.
 ``default_matmul_precision="highest"``, torch TF32 off) and a ``tf32`` run of each adds
 a second ratio column against TF32.
 
-    python examples/compare_modes.py --quick            # < 2 minutes on 2 CPU cores
+    python examples/compare_modes.py --quick            # 2 CPU cores: 1.5 min, 2.5 cold
     python examples/compare_modes.py --device cuda --layers 12 --width 768 --heads 12 \
         --context 512 --batch 8 --steps 200 --json out/compare_modes.json
 """
