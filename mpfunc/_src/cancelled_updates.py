@@ -69,4 +69,4 @@ def update_pairs(params: Any, updates: Any, paths: tuple[str, ...]) -> tuple:
 def update_counts(pairs: tuple) -> list:
     """The ``(updated, cancelled)`` int32 pair of each of ``pairs`` (`update_pairs`), as
     a 1-tuple for the report's shard reduction."""
-    return [(_counts(*pair) if pair is not None else _counts(None, None),) for pair in pairs]
+    return [(_counts(*(pair or (None, None))),) for pair in pairs]

@@ -228,8 +228,9 @@ def _grad_stats(leaves: tuple, scale: jax.Array, threshold: float, axis_name: Ax
     """The report's per-leaf columns of ``leaves`` (nonfinite, amax, zeros, underflows,
     sizes), reduced over ``axis_name``: one program of the whole tree where called
     eagerly (not one per op and leaf shape)."""
-    stats = reduce_leaf_stats([_leaf_stats(x, _F32(threshold) / scale) for x in leaves],
-                              axis_name, (lax.pmax, lax.psum))
+    limit = _F32(threshold) / scale  # once, as before: the same value for every leaf
+    stats = reduce_leaf_stats([_leaf_stats(x, limit) for x in leaves], axis_name,
+                              (lax.pmax, lax.psum))
     fl = jnp.stack([f for f, _ in stats]) if stats else jnp.zeros((0, 2), _F32)
     counts = jnp.stack([c for _, c in stats]) if stats else jnp.zeros((0, 3), _I32)
     return fl[:, 0] > 0, fl[:, 1], counts[:, 0], counts[:, 1], counts[:, 2]

@@ -148,7 +148,7 @@ class StorageKernels:
         # (2.11), the 16-bit state tensors are float32 stand-ins for the step (4 bytes
         # each, like the params' placeholders); the kernel call maps them back.
         swapped: list[tuple[dict, str, torch.Tensor]] = []
-        self._stand_ins: dict[int, torch.Tensor] = {}
+        self._stand_ins = {}
         if not fused.fused_adam_takes_state_of_another_dtype():
             for q in params:
                 st = self.optimizer.state[q]
